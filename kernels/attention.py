@@ -1,0 +1,29 @@
+"""Masked grouped-query attention over a KV cache: the reference every kernel must match.
+
+Shapes: C cache rows (batch x key/value heads, flattened), Q queries per cache row (query heads
+sharing that key/value head x new tokens), S cache slots, H head dim.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def reference_attention(q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array) -> jax.Array:
+    """Softmax attention of each cache row's queries over all of its slots, in float32.
+
+    Args:
+      q: [C, Q, H] queries; row c holds every query that reads key/value row c.
+      k: [C, S, H] keys of every cache slot.
+      v: [C, S, H] values.
+      visible: [C, Q, S] bool, which slots each query may attend to (a tree or causal mask
+        merged with the committed prefix). Every query must see at least one slot.
+    Returns:
+      [C, Q, H] attention outputs in ``q.dtype``.
+    """
+    scale = q.shape[-1] ** -0.5
+    scores = jnp.einsum("cqh,csh->cqs", q, k, preferred_element_type=jnp.float32) * scale
+    scores = jnp.where(visible, scores, -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    return jnp.einsum("cqs,csh->cqh", probs, v, preferred_element_type=jnp.float32).astype(q.dtype)

@@ -1,0 +1,3 @@
+"""specjax: lossless speculative decoding in JAX."""
+
+__version__ = "0.1.0"

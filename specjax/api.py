@@ -1,0 +1,145 @@
+"""Host-side generation API: token lists in, token lists out, one compiled call per request.
+
+This is the layer a user (or the CLI) calls: it pads prompts to a bucketed width so that prompts
+of similar length share one executable, sizes the KV cache, validates the request, compiles
+ahead of time (so compile time and decode time are reported apart), runs the single jitted
+generation call, and strips padding from the result.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax import decode, sampling
+from specjax.config import ModelConfig
+
+PROMPT_BUCKET = 32
+CACHE_MULTIPLE = 64
+
+
+def round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def pad_prompts(prompts: Sequence[Sequence[int]], bucket: int = PROMPT_BUCKET,
+                pad_id: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Right-pads token lists into one array.
+
+    Returns:
+      tokens: [B, P] int32 with P the longest prompt rounded up to ``bucket``.
+      lengths: [B] int32 true lengths.
+    """
+    if not prompts:
+        raise ValueError("no prompts given")
+    lengths = np.array([len(p) for p in prompts], np.int32)
+    if lengths.min() < 1:
+        raise ValueError(f"prompt {int(lengths.argmin())} is empty; every prompt needs a token")
+    tokens = np.full((len(prompts), round_up(int(lengths.max()), bucket)), pad_id, np.int32)
+    for i, p in enumerate(prompts):
+        tokens[i, : len(p)] = p
+    return tokens, lengths
+
+
+def check_tokens(prompts: Sequence[Sequence[int]], vocab_size: int):
+    """Raises ValueError for a token id outside ``[0, vocab_size)``."""
+    for i, p in enumerate(prompts):
+        bad = [t for t in p if not 0 <= int(t) < vocab_size]
+        if bad:
+            raise ValueError(f"prompt {i} has token ids outside [0, {vocab_size}): {bad[:5]}")
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerateResult:
+    """Generated tokens per row, plus timings.
+
+    Attributes:
+      tokens: per row, the generated ids (a stop token that ended the row included).
+      stopped: per row, whether it ended on a stop token.
+      compile_s: seconds spent compiling (0 when the executable was cached).
+      run_s: seconds of the generation call itself (prefill + decode).
+    """
+
+    tokens: list[list[int]]
+    stopped: list[bool]
+    compile_s: float
+    run_s: float
+
+    @property
+    def n_tokens(self) -> int:
+        return sum(len(t) for t in self.tokens)
+
+
+_COMPILED: dict = {}
+
+
+def _compiled_generate(params, prompt, prompt_len, sp, rng, statics: dict):
+    key = (jax.tree.structure(params), tuple(prompt.shape),
+           tuple(sorted(statics.items())))
+    if key in _COMPILED:
+        return _COMPILED[key], 0.0
+    t0 = time.perf_counter()
+    exe = decode.generate.lower(params, prompt, prompt_len, sp, rng, **statics).compile()
+    _COMPILED[key] = exe
+    return exe, time.perf_counter() - t0
+
+
+def generate_tokens(
+    cfg: ModelConfig,
+    params: dict,
+    prompts: Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int = 128,
+    temperature: float | Sequence[float] = 0.0,
+    top_k: int | Sequence[int] = 0,
+    top_p: float | Sequence[float] = 1.0,
+    seed: int = 0,
+    stop_tokens: Sequence[int] = (),
+    cache_size: int | None = None,
+) -> GenerateResult:
+    """Plain generation for a batch of token-id prompts.
+
+    Args:
+      cfg, params: the target model.
+      prompts: B token-id lists, any lengths >= 1.
+      max_new_tokens: at most this many new tokens per row.
+      temperature, top_k, top_p: sampling controls, shared or one per row (temperature 0 =
+        greedy).
+      seed: PRNG seed; row b's randomness depends only on (seed, b).
+      stop_tokens: ids that end a row.
+      cache_size: KV slots per row; default: just enough, rounded up to a multiple of 64.
+    Raises:
+      ValueError: a bad sampling value, an out-of-vocabulary prompt token, or a request longer
+        than the cache (or the model's context).
+    """
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    check_tokens(prompts, cfg.vocab_size)
+    tokens, lengths = pad_prompts(prompts)
+    need = int(lengths.max()) + max_new_tokens
+    if need > cfg.max_position_embeddings:
+        raise ValueError(f"prompt of {int(lengths.max())} tokens + max_new_tokens="
+                         f"{max_new_tokens} exceeds the model's context of "
+                         f"{cfg.max_position_embeddings} positions")
+    # The prefill writes the whole padded width, so the cache must hold it too.
+    capacity = cache_size or round_up(max(need, tokens.shape[1]), CACHE_MULTIPLE)
+    decode.check_capacity(int(lengths.max()), max_new_tokens, capacity)
+    if tokens.shape[1] > capacity:
+        raise ValueError(f"padded prompt width {tokens.shape[1]} exceeds the cache of {capacity} "
+                         "slots; raise cache_size")
+    sp = sampling.SamplingParams.make(len(prompts), temperature, top_k, top_p)
+    statics = dict(cfg=cfg, max_new_tokens=max_new_tokens, capacity=capacity,
+                   stop_tokens=tuple(int(t) for t in stop_tokens))
+    prompt, prompt_len, rng = jnp.asarray(tokens), jnp.asarray(lengths), jax.random.key(seed)
+    exe, compile_s = _compiled_generate(params, prompt, prompt_len, sp, rng, statics)
+    t0 = time.perf_counter()
+    out = jax.block_until_ready(exe(params, prompt, prompt_len, sp, rng))
+    run_s = time.perf_counter() - t0
+    toks, n, stopped = jax.device_get((out.tokens, out.n_generated, out.stopped))
+    return GenerateResult(tokens=[toks[i, : n[i]].tolist() for i in range(len(prompts))],
+                          stopped=[bool(s) for s in stopped], compile_s=compile_s, run_s=run_s)

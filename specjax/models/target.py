@@ -1,0 +1,217 @@
+"""The target decoder (Llama-3, Qwen3, SmolLM2) as pure functions over a params pytree.
+
+Params layout (matrices are ``[in, out]``, the transpose of torch ``Linear.weight``)::
+
+    params = {
+      "embed": [V, D],
+      "layers": (per layer, a tuple of length L) {
+          "attn_norm": [D],
+          "wqkv": [D, (N + 2K) * H],   # q heads, then k heads, then v heads (rotate_half layout)
+          "wo": [N * H, D],
+          "q_norm": [H], "k_norm": [H],  # Qwen3 only
+          "mlp_norm": [D],
+          "w_gate_up": [D, 2F],        # gate, then up
+          "w_down": [F, D],
+      },
+      "final_norm": [D],
+      "lm_head": [D, V],               # absent when cfg.tie_embeddings (embed is used)
+    }
+
+Layers are a tuple of per-layer dicts, not stacked arrays under ``lax.scan``: stacked layers ran
+5-7x slower for decoding on XLA:CPU, and unrolling only costs compile time. q/k/v and gate/up
+are fused into one matrix each, so a decode step issues fewer, larger matrix products.
+
+**Masks.** Every call writes its T new tokens at slots ``[lengths, lengths + T)`` of each row's
+cache. A query sees (a) all committed slots ``< lengths[b]`` and (b) among the new tokens, those
+marked in ``mask[b, t, :]``. ``mask=None`` means causal (token t sees new tokens 0..t), which
+serves prefill and plain decoding; a tree or block verification passes its ancestor-or-self
+matrix, with positions ``lengths + depth``. Row ``t`` of ``mask`` must include ``t`` itself.
+
+**Taps.** ``taps=(i, ...)`` returns the residual stream after ``i`` decoder layers, for
+``0 <= i <= L``: tap 0 is the token embedding and tap ``i < L`` equals HF
+``output_hidden_states[i]``. Tap ``L`` is the final pre-norm state; HF's ``hidden_states[L]`` is
+``final_norm`` applied to it.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax.config import ModelConfig
+from specjax.models import cache as cache_lib
+from specjax.kernels.attention import reference_attention as attention
+from specjax.models.layers import apply_rope, rms_norm, rope_tables
+
+
+def init_params(cfg: ModelConfig, seed: int = 0, scale: float = 0.02) -> dict:
+    """Random normal(0, ``scale``) weights and unit norms in the documented layout.
+
+    Drawn with NumPy on the host: compiling JAX's threefry for a dozen weight shapes took
+    longer than a small test's whole run.
+    """
+    n, k, h, d, f, v = (cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_model, cfg.d_ff,
+                        cfg.vocab_size)
+    gen = np.random.default_rng(seed)
+    dt = cfg.jnp_dtype
+
+    def normal(shape):
+        return jnp.asarray(scale * gen.standard_normal(shape, np.float32), dt)
+
+    layers = []
+    for _ in range(cfg.n_layers):
+        layer = {
+            "attn_norm": jnp.ones((d,), dt),
+            "wqkv": normal((d, (n + 2 * k) * h)),
+            "wo": normal((n * h, d)),
+            "mlp_norm": jnp.ones((d,), dt),
+            "w_gate_up": normal((d, 2 * f)),
+            "w_down": normal((f, d)),
+        }
+        if cfg.qk_norm:
+            layer["q_norm"] = jnp.ones((h,), dt)
+            layer["k_norm"] = jnp.ones((h,), dt)
+        layers.append(layer)
+    params = {"embed": normal((v, d)), "layers": tuple(layers), "final_norm": jnp.ones((d,), dt)}
+    if not cfg.tie_embeddings:
+        params["lm_head"] = normal((d, v))
+    return params
+
+
+def visible_slots(lengths: jax.Array, capacity: int, mask: jax.Array | None, t: int) -> jax.Array:
+    """Which cache slots each new query sees.
+
+    Args:
+      lengths: [B] committed slots per row.
+      capacity: S.
+      mask: [B, T, T] bool among the new tokens, or None for causal.
+      t: T.
+    Returns:
+      [B, T, S] bool: committed slots, plus new slots the mask allows.
+
+    For lengths = [2], T = 3, S = 6 and a causal mask::
+
+        slot:      0 1 2 3 4 5
+        query 0:   1 1 1 0 0 0
+        query 1:   1 1 1 1 0 0
+        query 2:   1 1 1 1 1 0
+    """
+    rel = jnp.arange(capacity)[None, None, :] - lengths[:, None, None]  # [B, 1, S]
+    committed = rel < 0
+    if mask is None:
+        new = (rel >= 0) & (rel <= jnp.arange(t)[None, :, None])
+    else:
+        idx = jnp.broadcast_to(jnp.clip(rel, 0, t - 1), (lengths.shape[0], t, capacity))
+        new = (rel >= 0) & (rel < t) & jnp.take_along_axis(mask, idx, axis=2)
+    return committed | new
+
+
+def _matmul(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x [B, T, in] @ w [in, out], accumulated in float32, returned in ``x.dtype``."""
+    return jnp.einsum("bti,io->bto", x, w, preferred_element_type=jnp.float32).astype(x.dtype)
+
+
+def _kv_rows(x: jax.Array) -> jax.Array:
+    """[B, T, K, H] -> [B * K, T, H], the cache's row order."""
+    b, t, k, h = x.shape
+    return x.transpose(0, 2, 1, 3).reshape(b * k, t, h)
+
+
+def _layer(cfg: ModelConfig, p: dict, x, cos, sin, k_buf, v_buf, lengths, visible):
+    b, t, _ = x.shape
+    n, kh, h, g = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.q_per_kv
+    qkv = _matmul(rms_norm(x, p["attn_norm"], cfg.norm_eps), p["wqkv"])
+    q = qkv[..., : n * h].reshape(b, t, n, h)
+    k = qkv[..., n * h: (n + kh) * h].reshape(b, t, kh, h)
+    v = qkv[..., (n + kh) * h:].reshape(b, t, kh, h)
+    if cfg.qk_norm:
+        q = rms_norm(q, p["q_norm"], cfg.norm_eps)
+        k = rms_norm(k, p["k_norm"], cfg.norm_eps)
+    q = apply_rope(q, cos, sin)
+    k = apply_rope(k, cos, sin)
+    # Cache rows are (batch, kv head) pairs: [B, T, K, H] -> [B * K, T, H].
+    k_buf = cache_lib.write_rows(k_buf, cache_lib.to_storage(_kv_rows(k), cfg), lengths)
+    v_buf = cache_lib.write_rows(v_buf, cache_lib.to_storage(_kv_rows(v), cfg), lengths)
+    # Queries grouped under their kv head: [B, T, N, H] -> [B * K, G * T, H].
+    q = q.reshape(b, t, kh, g, h).transpose(0, 2, 3, 1, 4).reshape(b * kh, g * t, h)
+    out = attention(q, cache_lib.from_storage(k_buf, cfg), cache_lib.from_storage(v_buf, cfg), visible)
+    out = out.reshape(b, kh, g, t, h).transpose(0, 3, 1, 2, 4).reshape(b, t, n * h)
+    x = x + _matmul(out, p["wo"])
+    gate_up = _matmul(rms_norm(x, p["mlp_norm"], cfg.norm_eps), p["w_gate_up"])
+    gate, up = gate_up[..., : cfg.d_ff], gate_up[..., cfg.d_ff:]
+    x = x + _matmul(jax.nn.silu(gate) * up, p["w_down"])
+    return x, k_buf, v_buf
+
+
+def forward_hidden(
+    params: dict,
+    cfg: ModelConfig,
+    tokens: jax.Array,
+    positions: jax.Array,
+    cache: cache_lib.KVCache,
+    mask: jax.Array | None = None,
+    taps: tuple[int, ...] = (),
+) -> tuple[jax.Array, jax.Array, cache_lib.KVCache]:
+    """Runs the decoder over T new tokens per row without the LM head.
+
+    Args:
+      params: the params pytree (module docstring).
+      cfg: the model config.
+      tokens: [B, T] int32 token ids.
+      positions: [B, T] int32 RoPE positions (``lengths + depth`` for trees).
+      cache: the KV cache; the new tokens are written at ``[lengths, lengths + T)``, and the
+        caller guarantees ``lengths + T <= capacity``.
+      mask: [B, T, T] bool visibility among the new tokens (ancestor-or-self), None for causal.
+      taps: residual-stream layer ids to return (module docstring).
+    Returns:
+      hidden: [B, T, D] the final normed hidden states.
+      tap_states: [B, T, len(taps), D] residual states at ``taps`` (T x 0 x D when none).
+      cache: the cache with the new keys/values written, lengths unchanged.
+    """
+    for i in taps:
+        if not 0 <= i <= cfg.n_layers:
+            raise ValueError(f"tap layer {i} is outside [0, {cfg.n_layers}]")
+    b, t = tokens.shape
+    x = params["embed"][tokens]
+    cos, sin = rope_tables(cfg, positions)
+    visible = visible_slots(cache.lengths, cache.capacity, mask, t)  # [B, T, S]
+    # One [B * K, G * T, S] copy shared by all layers, in the attention's row order.
+    visible = jnp.broadcast_to(visible[:, None, None], (b, cfg.n_kv_heads, cfg.q_per_kv, t, cache.capacity)
+                               ).reshape(b * cfg.n_kv_heads, cfg.q_per_kv * t, cache.capacity)
+    collected = {0: x} if 0 in taps else {}
+    ks, vs = [], []
+    for i, p in enumerate(params["layers"]):
+        x, k_buf, v_buf = _layer(cfg, p, x, cos, sin, cache.k[i], cache.v[i], cache.lengths, visible)
+        ks.append(k_buf)
+        vs.append(v_buf)
+        if i + 1 in taps:
+            collected[i + 1] = x
+    tap_states = (jnp.stack([collected[i] for i in taps], axis=2) if taps
+                  else jnp.zeros((b, t, 0, cfg.d_model), x.dtype))
+    hidden = rms_norm(x, params["final_norm"], cfg.norm_eps)
+    return hidden, tap_states, cache_lib.KVCache(tuple(ks), tuple(vs), cache.lengths)
+
+
+def lm_head(params: dict, cfg: ModelConfig, hidden: jax.Array) -> jax.Array:
+    """Float32 logits [..., V] from final hidden states [..., D]."""
+    if cfg.tie_embeddings:
+        return jnp.einsum("...d,vd->...v", hidden, params["embed"], preferred_element_type=jnp.float32)
+    return jnp.einsum("...d,dv->...v", hidden, params["lm_head"], preferred_element_type=jnp.float32)
+
+
+def forward(
+    params: dict,
+    cfg: ModelConfig,
+    tokens: jax.Array,
+    positions: jax.Array,
+    cache: cache_lib.KVCache,
+    mask: jax.Array | None = None,
+    taps: tuple[int, ...] = (),
+) -> tuple[jax.Array, jax.Array, cache_lib.KVCache]:
+    """The full decoder: ``(logits [B, T, V] float32, taps [B, T, n_taps, D], cache)``.
+
+    Arguments as in :func:`forward_hidden`, which this wraps with :func:`lm_head`.
+    """
+    hidden, tap_states, cache = forward_hidden(params, cfg, tokens, positions, cache, mask, taps)
+    return lm_head(params, cfg, hidden), tap_states, cache

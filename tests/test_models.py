@@ -1,0 +1,200 @@
+"""The target decoder: parity with HF transformers, cache invariants, masks and HLO hygiene."""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from specjax.config import ModelConfig
+from specjax.models import cache as cache_lib
+from specjax.models import target
+
+TINY = ModelConfig(arch="llama", vocab_size=97, d_model=48, n_layers=2, n_heads=6, n_kv_heads=2,
+                   head_dim=8, d_ff=80, rope_theta=10000.0)
+TOL = 1e-4  # float32 parity bound with HF transformers, on logits of magnitude ~1
+
+# Jitted entry points: eager dispatch of every op would dominate these tests' run time.
+forward = jax.jit(target.forward, static_argnums=1, static_argnames="taps")
+forward_hidden = jax.jit(target.forward_hidden, static_argnums=1, static_argnames="taps")
+
+
+def _hf_outputs(model, tokens: np.ndarray):
+    import torch
+
+    with torch.no_grad():
+        out = model(torch.from_numpy(tokens).long(), output_hidden_states=True)
+    return out.logits.numpy(), [h.numpy() for h in out.hidden_states]
+
+
+def _positions(b, t, start=0):
+    return jnp.broadcast_to(jnp.arange(start, start + t, dtype=jnp.int32), (b, t))
+
+
+@pytest.fixture(params=["hf_llama_dir", "hf_qwen3_dir"])
+def hf_model(request):
+    from specjax.io.hf import load_hf
+
+    path, torch_model = request.getfixturevalue(request.param)
+    cfg, params = load_hf(path)
+    return cfg, params, torch_model
+
+
+def test_prefill_logits_and_taps_match_hf(hf_model):
+    cfg, params, torch_model = hf_model
+    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 11))
+    ref_logits, ref_hidden = _hf_outputs(torch_model, tokens)
+    taps = tuple(range(cfg.n_layers + 1))
+    cache = cache_lib.init_cache(cfg, 2, 16)
+    hidden, tap_states, _ = forward_hidden(params, cfg, jnp.asarray(tokens),
+                                                  _positions(2, 11), cache, taps=taps)
+    logits = target.lm_head(params, cfg, hidden)
+    np.testing.assert_allclose(logits, ref_logits, atol=TOL, rtol=0)
+    for i in range(cfg.n_layers):
+        np.testing.assert_allclose(tap_states[:, :, i], ref_hidden[i], atol=TOL, rtol=0)
+    # HF's last hidden state is the final norm of our last tap.
+    np.testing.assert_allclose(hidden, ref_hidden[cfg.n_layers], atol=TOL, rtol=0)
+    from specjax.models.layers import rms_norm
+    np.testing.assert_allclose(rms_norm(tap_states[:, :, -1], params["final_norm"], cfg.norm_eps),
+                               ref_hidden[cfg.n_layers], atol=TOL, rtol=0)
+
+
+def test_cached_step_by_step_decoding_matches_hf(hf_model):
+    cfg, params, torch_model = hf_model
+    # Longer than original_max_position_embeddings / low_freq_factor of the Llama fixture, so
+    # the llama3-scaled frequencies matter.
+    tokens = np.random.default_rng(1).integers(0, cfg.vocab_size, (1, 80))
+    ref_logits, _ = _hf_outputs(torch_model, tokens)
+    cache = cache_lib.init_cache(cfg, 1, 96)
+    logits, _, cache = forward(params, cfg, jnp.asarray(tokens[:, :8]), _positions(1, 8),
+                                      cache)
+    cache = cache_lib.advance(cache, jnp.array([8]))
+    step = jax.jit(lambda c, tok, pos: target.forward(params, cfg, tok, pos, c))
+    outs = [logits]
+    for t in range(8, 80):
+        logits, _, cache = step(cache, jnp.asarray(tokens[:, t:t + 1]), cache.lengths[:, None])
+        cache = cache_lib.advance(cache, jnp.array([1]))
+        outs.append(logits)
+    np.testing.assert_allclose(jnp.concatenate(outs, axis=1), ref_logits, atol=TOL, rtol=0)
+
+
+def test_cached_equals_uncached_bitwise_for_single_tokens():
+    params = target.init_params(TINY, 0, scale=0.3)
+    tokens = jax.random.randint(jax.random.key(1), (3, 9), 0, TINY.vocab_size)
+    full, _, _ = forward(params, TINY, tokens, _positions(3, 9),
+                                cache_lib.init_cache(TINY, 3, 12))
+    cache = cache_lib.init_cache(TINY, 3, 12)
+    got = []
+    for t in range(9):
+        logits, _, cache = forward(params, TINY, tokens[:, t:t + 1], _positions(3, 1, t),
+                                          cache)
+        cache = cache_lib.advance(cache, jnp.ones((3,), jnp.int32))
+        got.append(logits)
+    np.testing.assert_allclose(jnp.concatenate(got, 1), full, atol=1e-5, rtol=0)
+
+
+def test_tree_mask_pass_equals_each_root_to_leaf_path_run_alone():
+    """A tree verify pass gives every node the logits its own path would get as a chain.
+
+          0            ancestor-or-self        0 1 2 3 4
+         / \\                          node 0  1 0 0 0 0
+        1   2                               1  1 1 0 0 0
+        |   |                               2  1 0 1 0 0
+        3   4                               3  1 1 0 1 0
+                                            4  1 0 1 0 1
+    """
+    params = target.init_params(TINY, 2, scale=0.3)
+    prefix = jax.random.randint(jax.random.key(3), (1, 5), 0, TINY.vocab_size)
+    nodes = jnp.array([[11, 22, 33, 44, 55]])
+    depth = jnp.array([[0, 1, 1, 2, 2]])
+    mask = jnp.array([[[1, 0, 0, 0, 0],
+                       [1, 1, 0, 0, 0],
+                       [1, 0, 1, 0, 0],
+                       [1, 1, 0, 1, 0],
+                       [1, 0, 1, 0, 1]]], bool)
+    cache = cache_lib.init_cache(TINY, 1, 16)
+    _, _, cache = forward(params, TINY, prefix, _positions(1, 5), cache)
+    cache = cache_lib.advance(cache, jnp.array([5]))
+    tree_logits, _, _ = forward(params, TINY, nodes, 5 + depth, cache, mask)
+    for path in ([0, 1, 3], [0, 2, 4]):
+        chain = nodes[:, path]
+        chain_logits, _, _ = forward(params, TINY, chain, _positions(1, 3, 5), cache)
+        np.testing.assert_allclose(tree_logits[:, path], chain_logits, atol=1e-5, rtol=0)
+
+
+def test_commit_compacts_accepted_path_like_a_fresh_chain():
+    """After committing path [0, 2, 4] of the tree above, the cache equals one that saw that
+    chain directly, and continuing from either gives the same logits."""
+    params = target.init_params(TINY, 4, scale=0.3)
+    prefix = jax.random.randint(jax.random.key(5), (2, 4), 0, TINY.vocab_size)
+    nodes = jnp.array([[11, 22, 33, 44, 55]] * 2)
+    depth = jnp.array([[0, 1, 1, 2, 2]] * 2)
+    mask = jnp.array([[[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 1, 0, 1, 0],
+                       [1, 0, 1, 0, 1]]] * 2, bool)
+    base = cache_lib.init_cache(TINY, 2, 16)
+    _, _, base = forward(params, TINY, prefix, _positions(2, 4), base)
+    base = cache_lib.advance(base, jnp.array([4, 4]))
+    _, _, tree_cache = forward(params, TINY, nodes, 4 + depth, base, mask)
+    # Row 0 keeps the whole path, row 1 only the root and node 2 (ragged acceptance).
+    path = jnp.array([[0, 2, 4], [0, 2, 4]])
+    committed = cache_lib.commit(tree_cache, path, jnp.array([3, 2]))
+    np.testing.assert_array_equal(committed.lengths, [7, 6])
+    nxt = jnp.array([[7], [7]])
+    got, _, _ = forward(params, TINY, nxt, committed.lengths[:, None], committed)
+    for row, keep in ((0, [11, 33, 55]), (1, [11, 33])):
+        chain = jnp.concatenate([prefix[row:row + 1], jnp.array([keep]), nxt[row:row + 1]], 1)
+        want, _, _ = forward(params, TINY, chain, _positions(1, chain.shape[1]),
+                                    cache_lib.init_cache(TINY, 1, 16))
+        np.testing.assert_allclose(got[row, 0], want[0, -1], atol=1e-5, rtol=0)
+
+
+def test_bfloat16_forward_tracks_float32():
+    params = target.init_params(TINY, 6, scale=0.3)
+    cfg16 = TINY.replace(dtype="bfloat16")
+    params16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
+    tokens = jax.random.randint(jax.random.key(7), (2, 7), 0, TINY.vocab_size)
+    ref, _, _ = forward(params, TINY, tokens, _positions(2, 7), cache_lib.init_cache(TINY, 2, 8))
+    got, _, c16 = forward(params16, cfg16, tokens, _positions(2, 7),
+                                 cache_lib.init_cache(cfg16, 2, 8))
+    assert c16.k[0].dtype == jnp.uint16  # stored as bit patterns (module docstring of cache)
+    assert got.dtype == jnp.float32
+    # bfloat16 keeps 8 mantissa bits (relative step 2**-8 = 0.4%); two layers of rounded
+    # activations stay within a few of those steps overall.
+    rel = float(jnp.linalg.norm(got - ref) / jnp.linalg.norm(ref))
+    assert rel < 0.03, rel
+    assert float(jnp.mean(jnp.argmax(got, -1) == jnp.argmax(ref, -1))) >= 0.85
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_decode_step_does_not_copy_the_cache(batch):
+    """A while_loop of one-token steps must update every layer's cache in place: no copy of a
+    cache-sized buffer inside the loop body (a unit batch axis used to cause one per layer)."""
+    cfg = TINY.replace(n_layers=3)
+    params = jax.eval_shape(lambda: target.init_params(cfg, 0))
+    cache = jax.eval_shape(lambda: cache_lib.init_cache(cfg, batch, 256))
+
+    def loop(params, tok, cache):
+        def body(_, carry):
+            tok, cache = carry
+            logits, _, cache = target.forward(params, cfg, tok[:, None], cache.lengths[:, None], cache)
+            return jnp.argmax(logits[:, 0], -1).astype(jnp.int32), cache_lib.advance(
+                cache, jnp.ones_like(cache.lengths))
+        return jax.lax.fori_loop(0, 8, body, (tok, cache))
+
+    hlo = jax.jit(loop, donate_argnums=2).lower(
+        params, jax.ShapeDtypeStruct((batch,), jnp.int32), cache).compile().as_text()
+    body = hlo[hlo.index("body"):] if "body" in hlo else hlo
+    cache_shape = f"f32[{batch * cfg.n_kv_heads},256,{cfg.head_dim}]"
+    copies = [line for line in body.splitlines()
+              if re.search(r"\bcopy\(", line) and cache_shape in line.split("copy(")[0]]
+    assert copies == []
+
+
+def test_taps_validate_layer_ids():
+    params = target.init_params(TINY, 0)
+    with pytest.raises(ValueError, match="tap layer 3"):
+        forward(params, TINY, jnp.zeros((1, 1), jnp.int32), jnp.zeros((1, 1), jnp.int32),
+                       cache_lib.init_cache(TINY, 1, 4), taps=(3,))
