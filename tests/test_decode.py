@@ -1,0 +1,116 @@
+"""Plain generation: one jitted call, row independence, stop tokens, limits, errors."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from specjax import api, decode
+from specjax.config import ModelConfig
+from specjax.models import cache as cache_lib
+from specjax.models import target
+
+TINY = ModelConfig(arch="llama", vocab_size=61, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
+                   head_dim=8, d_ff=48)
+PARAMS = target.init_params(TINY, 0, scale=0.5)
+PROMPTS = [[5, 9, 3], [7, 1, 2, 8, 4, 4, 6, 10, 11], [13]]
+
+
+def _reference_greedy(prompt, n):
+    """Greedy decoding by re-running an uncached causal forward over the whole sequence each
+    step (one fixed width, so one compile; positions past the sequence are ignored)."""
+    width = len(prompt) + n
+    forward = jax.jit(lambda seq: target.forward(PARAMS, TINY, seq, jnp.arange(width)[None],
+                                                 cache_lib.init_cache(TINY, 1, width))[0])
+    seq = np.zeros((1, width), np.int32)
+    seq[0, : len(prompt)] = prompt
+    for t in range(len(prompt), width):
+        seq[0, t] = int(jnp.argmax(forward(jnp.asarray(seq))[0, t - 1]))
+    return seq[0, len(prompt):].tolist()
+
+
+def test_greedy_equals_uncached_reference():
+    got = api.generate_tokens(TINY, PARAMS, [PROMPTS[0]], max_new_tokens=10)
+    assert got.tokens[0] == _reference_greedy(PROMPTS[0], 10)
+
+
+def test_rows_do_not_depend_on_batch_padding_or_position():
+    batch = api.generate_tokens(TINY, PARAMS, PROMPTS, max_new_tokens=12)
+    reversed_batch = api.generate_tokens(TINY, PARAMS, PROMPTS[::-1], max_new_tokens=12)
+    for i, prompt in enumerate(PROMPTS):
+        alone = api.generate_tokens(TINY, PARAMS, [prompt], max_new_tokens=12)
+        # A wider cache and more padding must not matter either.
+        padded = api.generate_tokens(TINY, PARAMS, [prompt], max_new_tokens=12, cache_size=192)
+        assert batch.tokens[i] == alone.tokens[0] == padded.tokens[0]
+        assert reversed_batch.tokens[len(PROMPTS) - 1 - i] == alone.tokens[0]
+
+
+def test_sampled_rows_are_seeded_and_independent_of_other_rows():
+    kw = dict(max_new_tokens=16, temperature=1.0, top_k=20, top_p=0.9)
+    a = api.generate_tokens(TINY, PARAMS, PROMPTS, seed=3, **kw)
+    b = api.generate_tokens(TINY, PARAMS, PROMPTS, seed=3, **kw)
+    c = api.generate_tokens(TINY, PARAMS, PROMPTS, seed=4, **kw)
+    assert a.tokens == b.tokens
+    assert a.tokens != c.tokens
+    # Row 0 keeps its randomness when the rows after it change.
+    d = api.generate_tokens(TINY, PARAMS, PROMPTS[:1] + [[3, 3]], seed=3, **kw)
+    assert d.tokens[0] == a.tokens[0]
+
+
+def test_mixed_batch_keeps_greedy_rows_greedy():
+    greedy = api.generate_tokens(TINY, PARAMS, PROMPTS, max_new_tokens=10)
+    mixed = api.generate_tokens(TINY, PARAMS, PROMPTS, max_new_tokens=10,
+                                temperature=[0.0, 1.5, 0.0], seed=1)
+    assert mixed.tokens[0] == greedy.tokens[0]
+    assert mixed.tokens[2] == greedy.tokens[2]
+
+
+def test_stop_token_ends_only_its_row():
+    free = api.generate_tokens(TINY, PARAMS, PROMPTS, max_new_tokens=12)
+    stop = free.tokens[1][4]  # a token row 1 emits mid-way
+    got = api.generate_tokens(TINY, PARAMS, PROMPTS, max_new_tokens=12, stop_tokens=[stop])
+    for row, tokens in enumerate(free.tokens):
+        cut = tokens.index(stop) + 1 if stop in tokens else len(tokens)
+        assert got.tokens[row] == tokens[:cut]
+        assert got.stopped[row] == (stop in tokens)
+    assert len(got.tokens[1]) <= 5
+
+
+def test_max_new_tokens_is_exact():
+    for n in (1, 2, 7):
+        got = api.generate_tokens(TINY, PARAMS, PROMPTS, max_new_tokens=n)
+        assert [len(t) for t in got.tokens] == [n] * len(PROMPTS)
+
+
+def test_generation_is_one_while_loop_without_host_callbacks():
+    prompt, lengths = api.pad_prompts(PROMPTS)
+    sp = api.sampling.SamplingParams.make(3)
+    jaxpr = jax.make_jaxpr(lambda *a: decode.generate(
+        *a, cfg=TINY, max_new_tokens=8, capacity=64))(PARAMS, prompt, lengths, sp,
+                                                      jax.random.key(0))
+    text = str(jaxpr)
+    assert text.count("while[") == 1
+    assert "callback" not in text
+
+
+def test_one_compile_per_shape_across_prompts():
+    api._COMPILED.clear()
+    first = api.generate_tokens(TINY, PARAMS, [[1, 2, 3], [4, 5]], max_new_tokens=5)
+    second = api.generate_tokens(TINY, PARAMS, [[9, 8, 7, 6], [2]], max_new_tokens=5,
+                                 temperature=0.7)
+    assert first.compile_s > 0 and second.compile_s == 0
+    assert len(api._COMPILED) == 1
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(prompts=[[1] * 70], max_new_tokens=10, cache_size=64), "needs 80 cache slots"),
+    (dict(prompts=[[1, 2, 99]], max_new_tokens=4), "outside \\[0, 61\\)"),
+    (dict(prompts=[[]], max_new_tokens=4), "prompt 0 is empty"),
+    (dict(prompts=[[1]], max_new_tokens=4, temperature=-1.0), "temperature"),
+    (dict(prompts=[[1] * 8000], max_new_tokens=400), "exceeds the model's context"),
+])
+def test_bad_requests_raise_clear_errors(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        api.generate_tokens(TINY, PARAMS, **kwargs)
