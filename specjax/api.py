@@ -18,6 +18,7 @@ import numpy as np
 
 from specjax import decode, sampling
 from specjax.config import ModelConfig
+from specjax.targets import DecoderTarget
 
 PROMPT_BUCKET = 32
 CACHE_MULTIPLE = 64
@@ -56,19 +57,30 @@ def check_tokens(prompts: Sequence[Sequence[int]], vocab_size: int):
 
 @dataclasses.dataclass(frozen=True)
 class GenerateResult:
-    """Generated tokens per row, plus timings.
+    """Generated tokens per row, plus timings and speculative statistics.
 
     Attributes:
       tokens: per row, the generated ids (a stop token that ended the row included).
       stopped: per row, whether it ended on a stop token.
       compile_s: seconds spent compiling (0 when the executable was cached).
       run_s: seconds of the generation call itself (prefill + decode).
+      stats: for speculative decoding, per-row :class:`specjax.decode.SpecStats` as NumPy
+        arrays; None for plain decoding.
     """
 
     tokens: list[list[int]]
     stopped: list[bool]
     compile_s: float
     run_s: float
+    stats: decode.SpecStats | None = None
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens per verify cycle over the batch (accepted drafts + the bonus token)."""
+        if self.stats is None:
+            return 1.0
+        cycles = int(self.stats.cycles.sum())
+        return (int(self.stats.accepted.sum()) + cycles) / max(cycles, 1)
 
     @property
     def n_tokens(self) -> int:
@@ -78,13 +90,14 @@ class GenerateResult:
 _COMPILED: dict = {}
 
 
-def _compiled_generate(params, prompt, prompt_len, sp, rng, statics: dict):
-    key = (jax.tree.structure(params), tuple(prompt.shape),
-           tuple(sorted(statics.items())))
+def _compiled(fn, args: tuple, statics: dict):
+    """An ahead-of-time compiled ``fn`` for these argument structures and statics, cached."""
+    key = (fn, jax.tree.structure(args), tuple(a.shape for a in jax.tree.leaves(args)),
+           tuple(sorted(statics.items(), key=lambda kv: kv[0])))
     if key in _COMPILED:
         return _COMPILED[key], 0.0
     t0 = time.perf_counter()
-    exe = decode.generate.lower(params, prompt, prompt_len, sp, rng, **statics).compile()
+    exe = fn.lower(*args, **statics).compile()
     _COMPILED[key] = exe
     return exe, time.perf_counter() - t0
 
@@ -101,8 +114,10 @@ def generate_tokens(
     seed: int = 0,
     stop_tokens: Sequence[int] = (),
     cache_size: int | None = None,
+    drafter=None,
+    drafter_params=None,
 ) -> GenerateResult:
-    """Plain generation for a batch of token-id prompts.
+    """Plain or speculative generation for a batch of token-id prompts.
 
     Args:
       cfg, params: the target model.
@@ -113,6 +128,9 @@ def generate_tokens(
       seed: PRNG seed; row b's randomness depends only on (seed, b).
       stop_tokens: ids that end a row.
       cache_size: KV slots per row; default: just enough, rounded up to a multiple of 64.
+      drafter: a static drafter (:mod:`specjax.drafters`) for speculative decoding; None for
+        plain decoding. Greedy rows give the same tokens either way.
+      drafter_params: the drafter's params pytree.
     Raises:
       ValueError: a bad sampling value, an out-of-vocabulary prompt token, or a request longer
         than the cache (or the model's context).
@@ -126,20 +144,31 @@ def generate_tokens(
         raise ValueError(f"prompt of {int(lengths.max())} tokens + max_new_tokens="
                          f"{max_new_tokens} exceeds the model's context of "
                          f"{cfg.max_position_embeddings} positions")
+    extra = 0 if drafter is None else drafter.n_nodes
     # The prefill writes the whole padded width, so the cache must hold it too.
-    capacity = cache_size or round_up(max(need, tokens.shape[1]), CACHE_MULTIPLE)
-    decode.check_capacity(int(lengths.max()), max_new_tokens, capacity)
+    capacity = cache_size or round_up(max(need + extra, tokens.shape[1]), CACHE_MULTIPLE)
+    decode.check_capacity(int(lengths.max()), max_new_tokens, capacity, extra)
     if tokens.shape[1] > capacity:
         raise ValueError(f"padded prompt width {tokens.shape[1]} exceeds the cache of {capacity} "
                          "slots; raise cache_size")
+    if drafter is not None and hasattr(drafter, "check_target"):
+        drafter.check_target(cfg)
     sp = sampling.SamplingParams.make(len(prompts), temperature, top_k, top_p)
     statics = dict(cfg=cfg, max_new_tokens=max_new_tokens, capacity=capacity,
                    stop_tokens=tuple(int(t) for t in stop_tokens))
     prompt, prompt_len, rng = jnp.asarray(tokens), jnp.asarray(lengths), jax.random.key(seed)
-    exe, compile_s = _compiled_generate(params, prompt, prompt_len, sp, rng, statics)
+    if drafter is None:
+        fn, args = decode.generate, (params, prompt, prompt_len, sp, rng)
+    else:
+        fn, args = decode.speculative_generate, (params, drafter_params, prompt, prompt_len, sp, rng)
+        statics["target"] = DecoderTarget(statics.pop("cfg"))
+        statics["drafter"] = drafter
+    exe, compile_s = _compiled(fn, args, statics)
     t0 = time.perf_counter()
-    out = jax.block_until_ready(exe(params, prompt, prompt_len, sp, rng))
+    out = jax.block_until_ready(exe(*args))
     run_s = time.perf_counter() - t0
+    stats = None if drafter is None else jax.device_get(out.stats)
     toks, n, stopped = jax.device_get((out.tokens, out.n_generated, out.stopped))
     return GenerateResult(tokens=[toks[i, : n[i]].tolist() for i in range(len(prompts))],
-                          stopped=[bool(s) for s in stopped], compile_s=compile_s, run_s=run_s)
+                          stopped=[bool(s) for s in stopped], compile_s=compile_s, run_s=run_s,
+                          stats=stats)

@@ -1,4 +1,4 @@
-"""Generation loops: plain autoregressive decoding as one jitted call per request.
+"""Generation loops: plain and speculative decoding, each one jitted call per request.
 
 A request is a right-padded batch of prompts ``prompt[B, P]`` with true lengths ``prompt_len[B]``.
 One jitted call prefills the target, samples the first new token of each row, then runs a
@@ -17,11 +17,15 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from specjax import sampling
+from specjax import tree as tree_lib
+from specjax import verify as verify_lib
 from specjax.config import ModelConfig
+from specjax.drafters.base import Accepted, Context, Prefill, Proposal
 from specjax.models import cache as cache_lib
-from specjax.models import target
+from specjax.models import target as decoder
 
 
 @jax.tree_util.register_dataclass
@@ -96,29 +100,6 @@ def is_stop(tokens: jax.Array, stop_tokens: tuple[int, ...]) -> jax.Array:
     return jnp.isin(tokens, jnp.asarray(stop_tokens, tokens.dtype))
 
 
-def prefill(params, cfg: ModelConfig, prompt, prompt_len, capacity: int, taps: tuple[int, ...] = ()):
-    """Runs the target over right-padded prompts.
-
-    Args:
-      prompt: [B, P] int32, right-padded.
-      prompt_len: [B] int32 true lengths (>= 1).
-      capacity: S, cache slots per row.
-      taps: residual layers to return for every prompt position.
-    Returns:
-      last_logits: [B, V] float32 logits at each row's last prompt token.
-      tap_states: [B, P, n_taps, D].
-      cache: the cache with ``lengths = prompt_len`` (slots past it hold padding garbage).
-    """
-    b, p = prompt.shape
-    cache = cache_lib.init_cache(cfg, b, capacity)
-    positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
-    hidden, tap_states, cache = target.forward_hidden(params, cfg, prompt, positions, cache,
-                                                      taps=taps)
-    last = jnp.take_along_axis(hidden, (prompt_len - 1)[:, None, None], axis=1)[:, 0]  # [B, D]
-    cache = cache_lib.advance(cache, prompt_len)
-    return target.lm_head(params, cfg, last), tap_states, cache
-
-
 @functools.partial(jax.jit, static_argnames=("cfg", "max_new_tokens", "capacity", "stop_tokens",
                                              "pad_id"))
 def generate(
@@ -152,7 +133,7 @@ def generate(
       A :class:`Generation`.
     """
     b = prompt.shape[0]
-    logits, _, cache = prefill(params, cfg, prompt, prompt_len, capacity)
+    logits, _, cache = decoder.prefill(params, cfg, prompt, prompt_len, capacity)
     first = sample_rows(row_keys(rng, b, jnp.int32(0)), logits, sp)
     first_stop = is_stop(first, stop_tokens)
     out = jnp.full((b, max_new_tokens), pad_id, jnp.int32).at[:, 0].set(first)
@@ -165,7 +146,7 @@ def generate(
 
     def body(s: PlainState):
         positions = s.cache.lengths[:, None]
-        logits, _, cache = target.forward(params, cfg, s.last[:, None], positions, s.cache)
+        logits, _, cache = decoder.forward(params, cfg, s.last[:, None], positions, s.cache)
         tok = sample_rows(row_keys(s.rng, b, s.step), logits[:, 0], sp)
         running = ~s.done
         # Finished rows stop advancing their cache so they can never run past capacity.
@@ -195,3 +176,211 @@ def check_capacity(prompt_tokens: int, max_new_tokens: int, capacity: int, extra
             + (f" + {extra} verify slots" if extra else "")
             + f" needs {need} cache slots, but the cache holds {capacity}"
         )
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SpecStats:
+    """Per-row statistics of a speculative generation.
+
+    Attributes:
+      cycles: [B] int32 verify passes the row took part in (prefill excluded).
+      accepted: [B] int32 accepted drafts over all cycles (bonus tokens excluded).
+      accept_hist: [B, D + 1] int32; ``accept_hist[b, a]`` counts cycles that accepted exactly
+        ``a`` drafts. Acceptance at depth d = cycles with ``a >= d`` / cycles.
+      fallbacks: [B] int32 cycles whose proposal was unusable (non-finite draft scores or
+        out-of-range tokens) and ran as plain decoding instead.
+    """
+
+    cycles: jax.Array
+    accepted: jax.Array
+    accept_hist: jax.Array
+    fallbacks: jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SpecState:
+    """The ``lax.while_loop`` carry of speculative decoding.
+
+    Attributes:
+      seq: [B, W] int32 prompt then generated tokens (W = P + max_new_tokens + D + 1, so a
+        cycle's full write always fits).
+      seq_len: [B] int32; ``seq[b, seq_len - 1]`` is the root of the next cycle.
+      n_generated: [B] int32 generated tokens so far (``seq_len - prompt_len``).
+      done: [B] bool rows that hit a stop token or ``max_new_tokens``.
+      stopped: [B] bool rows that hit a stop token.
+      cache: the target's cache, holding ``seq_len - 1`` committed tokens per row (the root is
+        not in it).
+      dstate: the drafter's state.
+      rng: the base PRNG key; cycle c uses ``fold_in(rng, c)``.
+      cycle: scalar int32 cycles run.
+      stats: :class:`SpecStats`.
+    """
+
+    seq: jax.Array
+    seq_len: jax.Array
+    n_generated: jax.Array
+    done: jax.Array
+    stopped: jax.Array
+    cache: object
+    dstate: object
+    rng: jax.Array
+    cycle: jax.Array
+    stats: SpecStats
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SpecGeneration(Generation):
+    """A :class:`Generation` plus speculative statistics (``stats``: :class:`SpecStats`)."""
+
+    stats: SpecStats = None
+
+
+def _usable(proposal: Proposal, vocab_size: int) -> jax.Array:
+    """[B] bool: every valid node's token is in range and the draft scores are not NaN/inf+."""
+    valid = proposal.node_valid
+    ok = jnp.all(~valid | ((proposal.tokens >= 0) & (proposal.tokens < vocab_size)), axis=1)
+    if proposal.draft_logits is not None:
+        # -inf is a legal score (a masked token); NaN and +inf are not.
+        bad = jnp.isnan(proposal.draft_logits) | (proposal.draft_logits == jnp.inf)
+        ok &= ~jnp.any(bad & valid[..., None], axis=(1, 2))
+    return ok
+
+
+def _first_stop(emitted: jax.Array, count: jax.Array, stop_tokens: tuple[int, ...]):
+    """Cuts each row's emitted run at its first stop token.
+
+    Returns ``(count [B], hit [B])``: the kept length (the stop token included) and whether a
+    stop token was found inside the run.
+    """
+    slot = jnp.arange(emitted.shape[1])[None, :]
+    is_s = is_stop(emitted, stop_tokens) & (slot < count[:, None])  # [B, D + 1]
+    hit = jnp.any(is_s, axis=1)
+    first = jnp.argmax(is_s, axis=1).astype(jnp.int32)
+    return jnp.where(hit, first + 1, count), hit
+
+
+@functools.partial(jax.jit, static_argnames=("target", "drafter", "max_new_tokens", "capacity",
+                                             "stop_tokens", "pad_id"))
+def speculative_generate(
+    params: dict,
+    drafter_params,
+    prompt: jax.Array,
+    prompt_len: jax.Array,
+    sp: sampling.SamplingParams,
+    rng: jax.Array,
+    *,
+    target,
+    drafter,
+    max_new_tokens: int,
+    capacity: int,
+    stop_tokens: tuple[int, ...] = (),
+    pad_id: int = 0,
+) -> SpecGeneration:
+    """Speculative generation: prefill, then a ``lax.while_loop`` of propose -> verify -> commit.
+
+    Each cycle the drafter proposes a tree of ``drafter.n_nodes`` nodes rooted at every row's
+    last token; the target scores all of them in one pass (tree mask, positions ``lengths +
+    depth``); :func:`specjax.verify.verify` accepts a path and draws a bonus token; the path's
+    K/V is compacted into the cache and the accepted tokens plus the bonus are appended. Rows
+    finish independently (stop token inside an accepted run, or ``max_new_tokens``, both
+    exact). A row whose proposal is unusable falls back to plain decoding for that cycle.
+
+    Args:
+      params: the target's params.
+      drafter_params: the drafter's params pytree (None for training-free drafters).
+      prompt: [B, P] int32 right-padded prompts.
+      prompt_len: [B] int32.
+      sp: per-row sampling parameters; temperature-0 rows are greedy and equal plain greedy.
+      rng: a PRNG key.
+      target: a static target object (:mod:`specjax.targets`), e.g. ``DecoderTarget(cfg)``.
+      drafter: a static drafter object (:mod:`specjax.drafters.base`).
+      max_new_tokens: static.
+      capacity: target cache slots; >= P + max_new_tokens + drafter.n_nodes (static).
+      stop_tokens: static ids that end a row.
+      pad_id: filler past each row's end.
+    Returns:
+      A :class:`SpecGeneration`.
+    """
+    b, p = prompt.shape
+    n, depth_max = drafter.n_nodes, drafter.max_depth
+    logits, prefill_taps, cache = target.prefill(params, prompt, prompt_len, capacity,
+                                                 drafter.taps)
+    first = sample_rows(row_keys(rng, b, jnp.int32(0)), logits, sp)
+    width = p + max_new_tokens + depth_max + 1
+    seq = jnp.full((b, width), pad_id, jnp.int32).at[:, :p].set(prompt)
+    seq = jax.vmap(lambda s, t, i: s.at[i].set(t))(seq, first, prompt_len)
+    first_stop = is_stop(first, stop_tokens)
+    dstate = drafter.init(drafter_params, Prefill(prompt, prompt_len, prefill_taps, capacity))
+    zeros = jnp.zeros((b,), jnp.int32)
+    state = SpecState(
+        seq=seq, seq_len=prompt_len + 1, n_generated=jnp.ones((b,), jnp.int32),
+        done=first_stop | (max_new_tokens <= 1), stopped=first_stop, cache=cache,
+        dstate=dstate, rng=rng, cycle=jnp.int32(0),
+        stats=SpecStats(cycles=zeros, accepted=zeros,
+                        accept_hist=jnp.zeros((b, depth_max + 1), jnp.int32), fallbacks=zeros))
+
+    def cond(s: SpecState):
+        return ~jnp.all(s.done)
+
+    def body(s: SpecState):
+        ctx = Context(s.seq, s.seq_len, sp)
+        key = jax.random.fold_in(s.rng, s.cycle + 1)
+        draft_key, verify_key = jax.random.split(key)
+        proposal, dstate = drafter.propose(drafter_params, s.dstate, ctx, draft_key)
+        running = ~s.done
+        usable = _usable(proposal, target.vocab_size)
+        # Unusable rows keep only the root: the cycle is one plain decoding step for them.
+        only_root = jnp.arange(n)[None, :] == 0
+        node_valid = proposal.node_valid & (usable[:, None] | only_root)
+        tokens = jnp.where(node_valid, proposal.tokens, 0).at[:, 0].set(ctx.root)
+        draft_logits = proposal.draft_logits
+        if draft_logits is not None:
+            draft_logits = jnp.where(node_valid[..., None], draft_logits, 0.0)
+        if drafter.static_tree is not None:
+            # A fixed topology: the mask and depths are NumPy constants computed once.
+            anc = jnp.broadcast_to(np.asarray(drafter.static_tree.ancestor, bool), (b, n, n))
+            depth = jnp.broadcast_to(np.asarray(drafter.static_tree.depth, np.int32), (b, n))
+        else:
+            anc = tree_lib.ancestor_mask(proposal.parents)  # [B, N, N]
+            depth = jnp.sum(anc, axis=-1, dtype=jnp.int32) - 1
+        positions = (s.seq_len - 1)[:, None] + depth  # the root sits at committed length
+        t_logits, t_taps, cache = target.forward(params, tokens, positions, s.cache, anc,
+                                                 drafter.taps)
+        res = verify_lib.verify(t_logits, tokens, proposal.parents, node_valid, sp, verify_key,
+                                max_depth=depth_max, draft_logits=draft_logits)
+        emitted, count = verify_lib.emitted_tokens(res, tokens)  # [B, D + 1], [B]
+        count = jnp.minimum(count, max_new_tokens - s.n_generated)
+        count, hit = _first_stop(emitted, count, stop_tokens)
+        count = jnp.where(running, count, 0)
+        hit &= running
+        n_acc = jnp.where(running, res.n_accepted, 0)
+        cache = target.commit(cache, res.path, jnp.where(running, n_acc + 1, 0))
+        seq = jax.vmap(lambda row, new, at: jax.lax.dynamic_update_slice(row, new, (at,)))(
+            s.seq, jnp.where(running[:, None], emitted, pad_id), s.seq_len)
+        seq_len = s.seq_len + count
+        n_generated = s.n_generated + count
+        done = s.done | hit | (n_generated >= max_new_tokens)
+        path_taps = jnp.take_along_axis(t_taps, res.path[:, :, None, None], axis=1)
+        accepted = Accepted(Proposal(tokens, proposal.parents, node_valid, draft_logits),
+                            res.path, n_acc, path_taps)
+        dstate = drafter.commit(drafter_params, dstate, Context(seq, seq_len, sp), accepted)
+        st = s.stats
+        stats = SpecStats(
+            cycles=st.cycles + running,
+            accepted=st.accepted + n_acc,
+            accept_hist=st.accept_hist + (running[:, None] & (
+                jnp.arange(depth_max + 1)[None, :] == n_acc[:, None])),
+            fallbacks=st.fallbacks + (running & ~usable))
+        return SpecState(seq=seq, seq_len=seq_len, n_generated=n_generated, done=done,
+                         stopped=s.stopped | hit, cache=cache, dstate=dstate, rng=s.rng,
+                         cycle=s.cycle + 1, stats=stats)
+
+    state = jax.lax.while_loop(cond, body, state)
+    idx = prompt_len[:, None] + jnp.arange(max_new_tokens)[None, :]
+    out = jnp.take_along_axis(state.seq, idx, axis=1)
+    out = jnp.where(jnp.arange(max_new_tokens)[None, :] < state.n_generated[:, None], out, pad_id)
+    return SpecGeneration(tokens=out, n_generated=state.n_generated, stopped=state.stopped,
+                          stats=state.stats)

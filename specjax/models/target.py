@@ -215,3 +215,26 @@ def forward(
     """
     hidden, tap_states, cache = forward_hidden(params, cfg, tokens, positions, cache, mask, taps)
     return lm_head(params, cfg, hidden), tap_states, cache
+
+
+def prefill(params: dict, cfg: ModelConfig, prompt: jax.Array, prompt_len: jax.Array, capacity: int,
+            taps: tuple[int, ...] = ()):
+    """Runs the target over right-padded prompts.
+
+    Args:
+      prompt: [B, P] int32, right-padded.
+      prompt_len: [B] int32 true lengths (>= 1).
+      capacity: S, cache slots per row.
+      taps: residual layers to return for every prompt position.
+    Returns:
+      last_logits: [B, V] float32 logits at each row's last prompt token.
+      tap_states: [B, P, n_taps, D].
+      cache: the cache with ``lengths = prompt_len`` (slots past it hold padding garbage).
+    """
+    b, p = prompt.shape
+    cache = cache_lib.init_cache(cfg, b, capacity)
+    positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
+    hidden, tap_states, cache = forward_hidden(params, cfg, prompt, positions, cache, taps=taps)
+    last = jnp.take_along_axis(hidden, (prompt_len - 1)[:, None, None], axis=1)[:, 0]  # [B, D]
+    cache = cache_lib.advance(cache, prompt_len)
+    return lm_head(params, cfg, last), tap_states, cache
