@@ -18,26 +18,48 @@ def _add_generate(sub):
         help="generate text from a prompt",
         description="Generate a reply to each --prompt (a chat turn, unless --raw) with one "
                     "compiled call per request, then print the text and the throughput.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("--model", default="smollm2-135m",
-                   help="a known model name, an HF checkpoint directory, or a .gguf file")
+                   help="a known model name, an HF checkpoint directory, or a .gguf file "
+                        "(default: %(default)s)")
     p.add_argument("--prompt", action="append", required=True,
                    help="prompt text; repeat for a batch")
     p.add_argument("--system", default=None,
                    help="system message (default: the model's own chat template default)")
     p.add_argument("--raw", action="store_true",
                    help="feed the prompt as is, without the chat template")
-    p.add_argument("--max-new-tokens", type=int, default=128, help="new tokens per prompt at most")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 means greedy")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="new tokens per prompt at most (default: %(default)s)")
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 means greedy (default: %(default)s)")
     p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus mass to keep (1 = off)")
-    p.add_argument("--seed", type=int, default=0, help="PRNG seed")
+    p.add_argument("--seed", type=int, default=0, help="PRNG seed (default: %(default)s)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
-                   help="weights, activations and KV cache dtype")
+                   help="weights, activations and KV cache dtype (default: %(default)s)")
     p.add_argument("--cache-size", type=int, default=None,
                    help="KV cache slots per row (default: just enough)")
+    spec = p.add_argument_group("speculative decoding (lossless: greedy output is unchanged)")
+    spec.add_argument("--method", choices=("plain", "ngram", "draft-model"), default="plain",
+                      help="plain decoding, prompt-lookup drafting, or a draft model made of "
+                           "the target's first --draft-layers layers (default: %(default)s)")
+    spec.add_argument("--draft-len", type=int, default=4, help="drafts per branch per cycle (default: %(default)s)")
+    spec.add_argument("--branches", type=int, default=1,
+                      help="n-gram match chains per cycle, a tree when > 1 (default: %(default)s)")
+    spec.add_argument("--draft-layers", type=int, default=4,
+                      help="target layers the self-speculative draft model keeps (default: %(default)s)")
     p.set_defaults(func=_generate)
+
+
+def make_drafter(args, cfg, params):
+    """The (drafter, drafter params) that ``--method`` names; (None, None) for plain."""
+    if args.method == "ngram":
+        from specjax.drafters.ngram import NgramDrafter
+
+        return NgramDrafter(draft_len=args.draft_len, branches=args.branches), None
+    if args.method == "draft-model":
+        from specjax.drafters.draft_model import DraftModelDrafter
+
+        return DraftModelDrafter.from_target_layers(cfg, params, args.draft_layers, args.draft_len)
+    return None, None
 
 
 def _generate(args) -> int:
@@ -61,10 +83,12 @@ def _generate(args) -> int:
             messages.append({"role": "user", "content": prompt})
             texts.append(tok.apply_chat_template(messages, add_generation_prompt=True))
     ids = [tok.encode(t) for t in texts]
+    drafter, drafter_params = make_drafter(args, model.cfg, model.params)
     result = api.generate_tokens(
         model.cfg, model.params, ids, max_new_tokens=args.max_new_tokens,
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-        stop_tokens=tok.eos_ids, cache_size=args.cache_size)
+        stop_tokens=tok.eos_ids, cache_size=args.cache_size, drafter=drafter,
+        drafter_params=drafter_params)
     for i, out in enumerate(result.tokens):
         body = out[:-1] if result.stopped[i] else out
         if len(ids) > 1:
@@ -73,6 +97,10 @@ def _generate(args) -> int:
     print(f"[{result.n_tokens} tokens in {result.run_s:.2f} s = "
           f"{result.n_tokens / result.run_s:.1f} tok/s (prefill included); "
           f"load {load_s:.1f} s, compile {result.compile_s:.1f} s]", file=sys.stderr)
+    if result.stats is not None:
+        st = result.stats
+        print(f"[{args.method}: {int(st.cycles.sum())} verify cycles, tau = {result.tau:.2f} "
+              f"tokens/cycle, {int(st.fallbacks.sum())} fallbacks]", file=sys.stderr)
     return 0
 
 

@@ -28,6 +28,9 @@ from specjax.models import cache as cache_lib
 from specjax.models import target as decoder
 
 
+PLAIN_BF16_ROWS = 2  # query rows of a bfloat16 plain decoding step (see generate)
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Generation:
@@ -125,8 +128,9 @@ def generate(
       rng: a PRNG key.
       cfg: the target config (static).
       max_new_tokens: tokens to generate per row at most (static).
-      capacity: cache slots per row; must be >= P + max_new_tokens (static; checked by
-        :func:`check_capacity`, called by the high-level API).
+      capacity: cache slots per row; must be >= P + max_new_tokens + 1 (static; checked by
+        :func:`check_capacity`, called by the high-level API; the + 1 is the scratch slot of
+        a bfloat16 step).
       stop_tokens: token ids that end a row (static).
       pad_id: filler for the output past each row's end.
     Returns:
@@ -144,9 +148,15 @@ def generate(
     def cond(s: PlainState):
         return (s.step < max_new_tokens) & ~jnp.all(s.done)
 
+    # XLA:CPU's one-row bfloat16 matrix-vector products run ~5x slower than two-row ones, so a
+    # bf16 step feeds the token twice; the copy's key/value lands in a scratch slot past the
+    # committed length (overwritten next step) and its logits are dropped.
+    rows = PLAIN_BF16_ROWS if cfg.dtype == "bfloat16" else 1
+
     def body(s: PlainState):
-        positions = s.cache.lengths[:, None]
-        logits, _, cache = decoder.forward(params, cfg, s.last[:, None], positions, s.cache)
+        positions = s.cache.lengths[:, None] + jnp.arange(rows)[None, :]
+        tokens = jnp.repeat(s.last[:, None], rows, axis=1)
+        logits, _, cache = decoder.forward(params, cfg, tokens, positions, s.cache)
         tok = sample_rows(row_keys(s.rng, b, s.step), logits[:, 0], sp)
         running = ~s.done
         # Finished rows stop advancing their cache so they can never run past capacity.
@@ -167,13 +177,14 @@ def generate(
 def check_capacity(prompt_tokens: int, max_new_tokens: int, capacity: int, extra: int = 0):
     """Raises ValueError when a request cannot fit the cache.
 
-    ``extra`` is the scratch a verify pass needs past the committed tokens (its node budget).
+    ``extra`` is the scratch a pass needs past the committed tokens: a verify pass's node
+    budget, or the second row of a bfloat16 plain step.
     """
     need = prompt_tokens + max_new_tokens + extra
     if need > capacity:
         raise ValueError(
             f"prompt of {prompt_tokens} tokens + max_new_tokens={max_new_tokens}"
-            + (f" + {extra} verify slots" if extra else "")
+            + (f" + {extra} scratch slots" if extra else "")
             + f" needs {need} cache slots, but the cache holds {capacity}"
         )
 

@@ -18,12 +18,12 @@ PARAMS = target.init_params(TINY, 0, scale=0.5)
 PROMPTS = [[5, 9, 3], [7, 1, 2, 8, 4, 4, 6, 10, 11], [13]]
 
 
-def _reference_greedy(prompt, n):
+def _reference_greedy(prompt, n, cfg=TINY, params=PARAMS):
     """Greedy decoding by re-running an uncached causal forward over the whole sequence each
     step (one fixed width, so one compile; positions past the sequence are ignored)."""
     width = len(prompt) + n
-    forward = jax.jit(lambda seq: target.forward(PARAMS, TINY, seq, jnp.arange(width)[None],
-                                                 cache_lib.init_cache(TINY, 1, width))[0])
+    forward = jax.jit(lambda seq: target.forward(params, cfg, seq, jnp.arange(width)[None],
+                                                 cache_lib.init_cache(cfg, 1, width))[0])
     seq = np.zeros((1, width), np.int32)
     seq[0, : len(prompt)] = prompt
     for t in range(len(prompt), width):
@@ -34,6 +34,14 @@ def _reference_greedy(prompt, n):
 def test_greedy_equals_uncached_reference():
     got = api.generate_tokens(TINY, PARAMS, [PROMPTS[0]], max_new_tokens=10)
     assert got.tokens[0] == _reference_greedy(PROMPTS[0], 10)
+
+
+def test_bfloat16_greedy_equals_its_uncached_reference():
+    """The bf16 step feeds two rows (decode.PLAIN_BF16_ROWS); the second must not leak."""
+    cfg = TINY.replace(dtype="bfloat16")
+    params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), PARAMS)
+    got = api.generate_tokens(cfg, params, [PROMPTS[1]], max_new_tokens=10)
+    assert got.tokens[0] == _reference_greedy(PROMPTS[1], 10, cfg, params)
 
 
 def test_rows_do_not_depend_on_batch_padding_or_position():
@@ -105,7 +113,7 @@ def test_one_compile_per_shape_across_prompts():
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(prompts=[[1] * 70], max_new_tokens=10, cache_size=64), "needs 80 cache slots"),
+    (dict(prompts=[[1] * 70], max_new_tokens=10, cache_size=64), "needs 81 cache slots"),
     (dict(prompts=[[1, 2, 99]], max_new_tokens=4), "outside \\[0, 61\\)"),
     (dict(prompts=[[]], max_new_tokens=4), "prompt 0 is empty"),
     (dict(prompts=[[1]], max_new_tokens=4, temperature=-1.0), "temperature"),
