@@ -1,0 +1,173 @@
+"""Speculative-decoding benchmark: verify-cost curves and drafter speedups, side by side.
+
+Run::
+
+    python -m specjax.spec_bench --max-new-tokens 128 --prompts 3
+
+Two measurements, both in ONE process on SmolLM2-135M (the ratios are what count; absolute
+times move with whatever else the machine runs):
+
+1. **Verify cost curve** ``T_verify(N)`` for ``N in --nodes`` in float32 and bfloat16
+   (float32 accumulation), each against the fastest plain-decoding step at the same precision
+   (``calibrate.VerifyCosts.fastest_plain_step``: one row in float32, two rows in bfloat16) and
+   against the fastest plain step at any precision.
+2. **Drafters on a copy-heavy task** at temperature 0: "rewrite this function" prompts built from
+   functions of Python's own standard library (present on every machine). For plain decoding
+   and each drafter: τ (tokens per verify cycle), decode seconds, speedup over plain decoding
+   at the same precision (the lossless comparison), speedup over the fastest plain decoding at
+   any precision (what a user feels), and efficiency = speedup / τ. Greedy outputs must match
+   plain decoding token for token; mismatches are printed.
+
+Timing protocol: every configuration is compiled and warmed up first; then ``--repeats``
+rounds run every prompt through every configuration in turn, keeping each configuration's
+fastest round. Decode time = end-to-end time minus the time of the same request with
+``max_new_tokens=1`` (prefill and the drafter's own prefill), both at the same cache size.
+No stop tokens: every run produces exactly ``--max-new-tokens`` tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import shlex
+import sys
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax import api, calibrate
+from specjax.drafters.draft_model import DraftModelDrafter
+from specjax.drafters.ngram import NgramDrafter
+
+# Standard-library functions of 10-40 lines: real code that any machine has.
+_SOURCES = ("textwrap.indent", "colorsys.rgb_to_hls", "statistics.median", "fnmatch.filter",
+            "string.capwords", "base64.b85encode")
+
+
+def copy_prompts(n: int) -> list[str]:
+    """``n`` chat prompts asking to rewrite a standard-library function with type hints."""
+    import importlib
+
+    out = []
+    for name in _SOURCES[:n]:
+        module, attr = name.rsplit(".", 1)
+        src = inspect.getsource(getattr(importlib.import_module(module), attr))
+        out.append("Rewrite the following Python function with type hints added. Keep the "
+                   f"code otherwise unchanged.\n\n```python\n{src}```")
+    return out
+
+
+def _decode_seconds(cfg, params, ids, max_new_tokens, cache_size, drafter, dparams):
+    kw = dict(cache_size=cache_size, drafter=drafter, drafter_params=dparams)
+    full = api.generate_tokens(cfg, params, [ids], max_new_tokens=max_new_tokens, **kw)
+    first = api.generate_tokens(cfg, params, [ids], max_new_tokens=1, **kw)
+    return max(full.run_s - first.run_s, 1e-9), full
+
+
+def run_spec_benchmark(model, prompts: Sequence[str], *, max_new_tokens: int = 128,
+                       nodes: Sequence[int] = (1, 2, 4, 8, 16, 32, 64), repeats: int = 2,
+                       draft_lens: Sequence[int] = (4, 8), draft_layers: int = 4,
+                       log=print) -> dict:
+    """Runs both measurements (module docstring) and returns them as a dict."""
+    cfg, params, tok = model.cfg, model.params, model.tokenizer
+    cfg16 = cfg.replace(dtype="bfloat16")
+    params16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
+
+    log("verify cost curve (ms per pass):")
+    curves = {}
+    for c, p in ((cfg, params), (cfg16, params16)):
+        curves[c.dtype] = calibrate.measure_verify_costs(
+            c, p, nodes, progress=lambda n, s, d=c.dtype: log(f"  {d} N={n}: {s * 1e3:.1f}"))
+    fastest_any = min(v.fastest_plain_step for v in curves.values())
+
+    configs = {"plain f32": (cfg, params, None, None), "plain bf16": (cfg16, params16, None, None)}
+    for k in draft_lens:
+        configs[f"ngram k={k}"] = (cfg, params, NgramDrafter(draft_len=k), None)
+    for k in draft_lens:
+        d, dp = DraftModelDrafter.from_target_layers(cfg, params, draft_layers, draft_len=k)
+        configs[f"draft-model L={draft_layers} k={k}"] = (cfg, params, d, dp)
+    encoded = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}]))
+               for p in prompts]
+    cache_size = api.round_up(max(map(len, encoded)) + max_new_tokens + max(draft_lens) + 2,
+                              api.CACHE_MULTIPLE)
+    best = {name: [np.inf] * len(encoded) for name in configs}
+    outputs, taus = {}, {name: [] for name in configs}
+    log("warming up (compiling every configuration) ...")
+    for name, (c, p, d, dp) in configs.items():
+        _decode_seconds(c, p, encoded[0], max_new_tokens, cache_size, d, dp)
+    for r in range(repeats):
+        for i, ids in enumerate(encoded):
+            for name, (c, p, d, dp) in configs.items():
+                secs, res = _decode_seconds(c, p, ids, max_new_tokens, cache_size, d, dp)
+                best[name][i] = min(best[name][i], secs)
+                outputs[name, i] = res.tokens[0]
+                if r == 0:
+                    taus[name].append(res.tau)
+        log(f"round {r + 1}/{repeats} done")
+    plain = sum(best["plain f32"])
+    fastest_plain = min(plain, sum(best["plain bf16"]))
+    rows = []
+    for name in configs:
+        secs = sum(best[name])
+        tau = float(np.mean(taus[name]))
+        mismatches = [i for i in range(len(encoded))
+                      if configs[name][0].dtype == "float32"
+                      and outputs[name, i] != outputs["plain f32", i]]
+        rows.append(dict(name=name, decode_s=secs, tau=tau,
+                         tok_s=len(encoded) * (max_new_tokens - 1) / secs,
+                         speedup=plain / secs, speedup_vs_fastest=fastest_plain / secs,
+                         efficiency=plain / secs / tau, mismatched_prompts=mismatches))
+    return dict(curves={d: dict(nodes=v.nodes, seconds=v.seconds,
+                                plain_step=v.fastest_plain_step) for d, v in curves.items()},
+                fastest_plain_step_any=fastest_any, drafters=rows,
+                max_new_tokens=max_new_tokens, prompts=len(encoded))
+
+
+def format_report(result: dict) -> str:
+    lines = ["", "T_verify(N), ms per pass [ratio to the fastest plain step at that precision; "
+             "ratio to the fastest at any precision]:"]
+    fastest_any = result["fastest_plain_step_any"]
+    for dtype, c in result["curves"].items():
+        cells = [f"N={n}: {s * 1e3:.1f} [{s / c['plain_step']:.2f}x; {s / fastest_any:.2f}x]"
+                 for n, s in zip(c["nodes"], c["seconds"])]
+        lines.append(f"  {dtype:9s} " + "  ".join(cells))
+    lines += ["", f"{result['prompts']} copy-heavy prompts x {result['max_new_tokens']} new "
+              "tokens, temperature 0:",
+              f"  {'configuration':26s} {'tok/s':>7s} {'tau':>5s} {'speedup':>8s} "
+              f"{'vs fastest':>10s} {'efficiency':>10s}  output"]
+    for r in result["drafters"]:
+        same = "== plain" if not r["mismatched_prompts"] else f"differs {r['mismatched_prompts']}"
+        if r["name"] == "plain bf16":
+            same = "(bf16: not compared)"
+        lines.append(f"  {r['name']:26s} {r['tok_s']:7.1f} {r['tau']:5.2f} {r['speedup']:7.2f}x "
+                     f"{r['speedup_vs_fastest']:9.2f}x {r['efficiency']:10.2f}  {same}")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m specjax.spec_bench",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--prompts", type=int, default=3, help=f"at most {len(_SOURCES)}")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--nodes", default="1,2,4,8,16,32,64")
+    parser.add_argument("--draft-lens", default="4,8")
+    parser.add_argument("--draft-layers", type=int, default=4)
+    args = parser.parse_args(argv)
+    print("$ python -m specjax.spec_bench " + " ".join(map(shlex.quote, sys.argv[1:] if argv is None
+                                                           else argv)))
+    from specjax.io import load
+
+    result = run_spec_benchmark(
+        load(args.model), copy_prompts(args.prompts), max_new_tokens=args.max_new_tokens,
+        nodes=[int(n) for n in args.nodes.split(",")], repeats=args.repeats,
+        draft_lens=[int(k) for k in args.draft_lens.split(",")], draft_layers=args.draft_layers)
+    print(format_report(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
