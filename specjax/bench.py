@@ -1,0 +1,695 @@
+"""Plain-decoding benchmark: specjax vs HF transformers vs llama.cpp, side by side in one process.
+
+Run::
+
+    python -m specjax.bench --max-new-tokens 128 --prompts 3
+    python -m specjax.bench --prompt-file ../shared/data/bench/gsm8k/test.jsonl --prompts 10 \\
+        --json plain.json
+    python -m specjax.bench --engines specjax,hf        # any subset, comma-separated
+
+Engines (an engine whose package is missing is skipped with a printed note):
+
+* ``specjax``: :func:`specjax.api.generate_tokens`, one jitted call per request.
+* ``hf``: HF transformers ``LlamaForCausalLM.generate`` in float32 (needs ``torch`` and
+  ``transformers``, the ``test`` extra), built from the very same params.
+* ``llamacpp``: llama.cpp through ``llama-cpp-python`` (the ``llamacpp`` extra; it compiles from
+  source for ~10 minutes and is never needed by the tests). It reads an F32 GGUF of the very same
+  params that :func:`llamacpp_gguf` writes once into the specjax cache directory.
+
+Protocol -- what is compared, and why it is fair:
+
+* One process, one model (SmolLM2-135M-Instruct, the dequantized float32 params of
+  ``specjax.io.load``), the same chat prompts encoded by the same tokenizer, batch 1, greedy.
+  float32 everywhere, llama.cpp's KV cache included (its default is f16).
+* No stop tokens: every engine produces exactly ``max_new_tokens`` tokens (EOS is an ordinary
+  token), so tokens/s compare equal work. Past an EOS the text is whatever the model continues
+  with; it still must agree between engines.
+* Per request we time ``first_s`` (prompt in -> first new token out: prefill plus one sampling
+  step) and ``total_s`` (prompt in -> all N tokens out). llama.cpp and HF stream, so one run gives
+  both; specjax returns only when its single jitted call ends, so ``first_s`` comes from a second
+  run with ``max_new_tokens=1`` and the same cache size. Decode throughput is
+  ``(N - 1) / (total_s - first_s)``: the N - 1 one-token steps after the prompt.
+* Every engine is warmed up first (specjax also compiles ahead of time; compile seconds are
+  reported apart and never counted). Then ``repeats`` rounds, each running every prompt on every
+  engine in turn, so that load from other processes hits all engines alike; each figure keeps
+  the fastest round per prompt (the least disturbed measurement of the same work).
+* Threads: torch and llama.cpp get ``--threads`` (default 2); XLA:CPU sizes its own pool to the
+  machine's cores. On a machine with more cores than ``--threads`` the comparison is unequal.
+  When other jobs share the cores, torch's OpenMP threads suffer far more than XLA's pool
+  (measured on a busy 2-core machine: HF at 340 ms/token with 2 threads, 109 with 1), so on a
+  shared machine run ``--threads 1`` as well before reading the HF ratio.
+* Roofline: a decode step must stream every weight once, so tokens/s <= bandwidth / weight
+  bytes. Bandwidth is measured here (a jitted ``jnp.sum`` over 1 GiB of float32, best of 5,
+  sampled before the engines and after every round; the best sample counts);
+  weight bytes are every layer tensor, the final norm and the LM head (a tied head is the
+  embedding table, counted once: the embedding lookup itself reads one row). KV-cache reads and
+  activations are not counted, so 100% is not reachable.
+* Outputs: specjax's greedy tokens are compared with each other engine's for every prompt; a
+  mismatch is reported with its first position (float32 reassociation can flip a near-tie).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.metadata
+import json
+import os
+import shlex
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Protocol
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax import api
+from specjax.config import ModelConfig
+
+MODEL = "smollm2-135m"
+ENGINES = ("specjax", "hf", "llamacpp")
+DEFAULT_PROMPTS = (
+    "Write a Python function that returns the sum of a list.",
+    "Explain why the sky is blue.",
+    "Give three tips for writing clear and maintainable code.",
+    "What are the main differences between a list and a tuple in Python?",
+    "Describe the water cycle in a few sentences.",
+)
+# JSONL fields tried in order: GSM8K, MT-Bench (first turn), MATH-500, MBPP, HumanEval.
+PROMPT_FIELDS = ("question", "turns", "problem", "text", "prompt")
+WARMUP_TOKENS = 8  # HF and llama.cpp compile nothing; a short run warms allocators and threads
+
+
+@dataclasses.dataclass(frozen=True)
+class Timing:
+    """One timed generation.
+
+    Attributes:
+      tokens: the N generated ids.
+      first_s: seconds from the call to the first new token (prefill + one sampling step).
+      total_s: seconds from the call to all N tokens.
+    """
+
+    tokens: list[int]
+    first_s: float
+    total_s: float
+
+
+class Engine(Protocol):
+    """A generator under test: ``warmup`` once, then ``generate`` timed requests of exactly
+    ``n`` greedy tokens after the prompt ``ids``."""
+
+    name: str
+
+    def warmup(self, ids: list[int], n: int) -> None: ...
+
+    def generate(self, ids: list[int], n: int) -> Timing: ...
+
+
+# ----------------------------------------------------------------------------------- specjax
+
+
+class SpecjaxEngine:
+    """``api.generate_tokens``; ``first_s`` from a second, one-token run (module docstring).
+
+    Both runs use ``cache_size`` slots, so they differ only in the number of decode steps.
+    """
+
+    name = "specjax"
+
+    def __init__(self, cfg: ModelConfig, params: dict, cache_size: int):
+        self.cfg, self.params, self.cache_size = cfg, params, cache_size
+        self.compile_s = 0.0
+
+    def _run(self, ids, n):
+        out = api.generate_tokens(self.cfg, self.params, [ids], max_new_tokens=n,
+                                  stop_tokens=(), cache_size=self.cache_size)
+        self.compile_s += out.compile_s
+        return out
+
+    def warmup(self, ids, n):
+        self._run(ids, n)
+        self._run(ids, 1)
+
+    def generate(self, ids, n):
+        full = self._run(ids, n)
+        first = self._run(ids, 1)
+        if len(full.tokens[0]) != n:
+            raise RuntimeError(f"specjax produced {len(full.tokens[0])} tokens, expected {n}")
+        return Timing(full.tokens[0], first.run_s, full.run_s)
+
+
+# -------------------------------------------------------------------------------- transformers
+
+
+def hf_llama_from_params(cfg: ModelConfig, params: dict):
+    """An eval-mode float32 ``transformers.LlamaForCausalLM`` holding ``params``.
+
+    Our layout is undone: fused ``wqkv`` and ``w_gate_up`` are split, ``[in, out]`` matrices are
+    transposed back to torch's ``[out, in]``, and a tied head stays tied to the embedding. The
+    config has no EOS, so ``generate`` never stops early.
+
+    Raises:
+      ValueError: a config this conversion does not cover (Qwen3, RoPE scaling).
+    """
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.initialization import no_init_weights
+
+    if cfg.arch != "llama" or cfg.rope_scaling is not None:
+        raise ValueError(f"hf_llama_from_params covers Llama without RoPE scaling, got "
+                         f"arch={cfg.arch!r}, rope_scaling={cfg.rope_scaling}")
+    n, k, h, f = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff
+    config = LlamaConfig(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=f,
+        num_hidden_layers=cfg.n_layers, num_attention_heads=n, num_key_value_heads=k,
+        head_dim=h, rope_theta=cfg.rope_theta, rms_norm_eps=cfg.norm_eps,
+        max_position_embeddings=cfg.max_position_embeddings,
+        tie_word_embeddings=cfg.tie_embeddings, bos_token_id=None, eos_token_id=None,
+        pad_token_id=None)
+
+    def tensor(x, transpose=False):
+        # A writable, contiguous copy: arrays viewed from JAX buffers are read-only, and a
+        # transposed view would make every torch matmul slower.
+        x = np.asarray(x, np.float32)
+        return torch.from_numpy(np.array(x.T if transpose else x, order="C", copy=True))
+
+    def t(x):  # our [in, out] -> torch [out, in]
+        return tensor(x, transpose=True)
+
+    sd = {"model.embed_tokens.weight": tensor(params["embed"]),
+          "model.norm.weight": tensor(params["final_norm"])}
+    for i, p in enumerate(params["layers"]):
+        pre = f"model.layers.{i}."
+        wqkv, w_gate_up = np.asarray(p["wqkv"]), np.asarray(p["w_gate_up"])
+        sd[pre + "input_layernorm.weight"] = tensor(p["attn_norm"])
+        sd[pre + "self_attn.q_proj.weight"] = t(wqkv[:, : n * h])
+        sd[pre + "self_attn.k_proj.weight"] = t(wqkv[:, n * h: (n + k) * h])
+        sd[pre + "self_attn.v_proj.weight"] = t(wqkv[:, (n + k) * h:])
+        sd[pre + "self_attn.o_proj.weight"] = t(p["wo"])
+        sd[pre + "post_attention_layernorm.weight"] = tensor(p["mlp_norm"])
+        sd[pre + "mlp.gate_proj.weight"] = t(w_gate_up[:, :f])
+        sd[pre + "mlp.up_proj.weight"] = t(w_gate_up[:, f:])
+        sd[pre + "mlp.down_proj.weight"] = t(p["w_down"])
+    if not cfg.tie_embeddings:
+        sd["lm_head.weight"] = t(params["lm_head"])
+    with no_init_weights():  # every weight is overwritten below
+        model = LlamaForCausalLM(config)
+    model.load_state_dict(sd, strict=not cfg.tie_embeddings)
+    if cfg.tie_embeddings:
+        model.tie_weights()  # no_init_weights also skipped the tying
+        if model.lm_head.weight is not model.model.embed_tokens.weight:
+            raise RuntimeError("transformers did not tie lm_head to the embedding")
+    return model.float().eval()
+
+
+class HFEngine:
+    """``LlamaForCausalLM.generate(do_sample=False)``; times come from a streamer's calls."""
+
+    name = "hf"
+
+    def __init__(self, cfg: ModelConfig, params: dict, threads: int):
+        import torch
+
+        torch.set_num_threads(threads)
+        self.torch = torch
+        self.model = hf_llama_from_params(cfg, params)
+
+    def _generate(self, ids, n, streamer=None):
+        from transformers import GenerationConfig
+
+        # No EOS anywhere (here or in the model's config), so generation runs exactly n steps.
+        gen = GenerationConfig(do_sample=False, max_new_tokens=n, eos_token_id=None,
+                               pad_token_id=0)
+        x = self.torch.tensor([ids])
+        with self.torch.inference_mode():
+            out = self.model.generate(x, attention_mask=self.torch.ones_like(x),
+                                      generation_config=gen, streamer=streamer)
+        return out[0, len(ids):].tolist()
+
+    def warmup(self, ids, n):
+        self._generate(ids, min(n, WARMUP_TOKENS))
+
+    def generate(self, ids, n):
+        stamps = []
+
+        class Streamer:  # generate() calls put() with the prompt, then with each new token
+            def put(self, value):
+                stamps.append(time.perf_counter())
+
+            def end(self):
+                pass
+
+        t0 = time.perf_counter()
+        tokens = self._generate(ids, n, Streamer())
+        total = time.perf_counter() - t0
+        if len(tokens) != n or len(stamps) != n + 1:
+            raise RuntimeError(f"transformers produced {len(tokens)} tokens with "
+                               f"{len(stamps)} streamer calls, expected {n} and {n + 1}")
+        return Timing(tokens, stamps[1] - t0, total)
+
+
+# ---------------------------------------------------------------------------------- llama.cpp
+
+
+def permute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """llama.cpp's Q/K row order from HF's: the inverse of :func:`specjax.io.gguf.unpermute_qk`.
+
+    Args:
+      w: [n_heads * H, D_in] in HF ``rotate_half`` order (torch ``[out, in]`` layout).
+    Returns:
+      [n_heads * H, D_in], within each head rows ``[0, H/2, 1, H/2 + 1, ...]``.
+    """
+    d_out, d_in = w.shape
+    return w.reshape(n_heads, 2, d_out // n_heads // 2, d_in).swapaxes(1, 2).reshape(d_out, d_in)
+
+
+# Metadata not copied from the source: what describes its encoding (file type, quantization,
+# alignment), and the architecture, which GGUFWriter writes itself.
+_GGUF_SKIP_KEYS = ("general.architecture", "general.file_type", "general.quantization_version",
+                   "general.alignment")
+
+
+def write_f32_gguf(out: Path, source: Path, cfg: ModelConfig, params: dict) -> None:
+    """Writes ``params`` as an all-F32 llama GGUF at ``out``.
+
+    Every metadata value (architecture, hyper-parameters, tokenizer, chat template) is copied
+    from the GGUF ``source``, except the file type, which becomes ALL_F32. Tensors get llama.cpp's
+    names and layout: torch ``[out, in]`` matrices, Q/K rows permuted (:func:`permute_qk`), no
+    ``output.weight`` when the head is tied.
+    """
+    import gguf
+
+    if cfg.arch != "llama" or cfg.rope_scaling is not None:
+        raise ValueError(f"write_f32_gguf covers Llama without RoPE scaling, got "
+                         f"arch={cfg.arch!r}, rope_scaling={cfg.rope_scaling}")
+    reader = gguf.GGUFReader(source)
+    writer = gguf.GGUFWriter(out, arch="llama")
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key in _GGUF_SKIP_KEYS:
+            continue
+        sub_type = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(key, field.contents(), field.types[0], sub_type=sub_type)
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+
+    n, k, h, f = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff
+
+    def tt(x):  # [in, out] -> contiguous float32 [out, in]
+        return np.ascontiguousarray(np.asarray(x, np.float32).T)
+
+    writer.add_tensor("token_embd.weight", np.asarray(params["embed"], np.float32))
+    for i, p in enumerate(params["layers"]):
+        b = f"blk.{i}."
+        wqkv, w_gate_up = np.asarray(p["wqkv"]), np.asarray(p["w_gate_up"])
+        writer.add_tensor(b + "attn_norm.weight", np.asarray(p["attn_norm"], np.float32))
+        writer.add_tensor(b + "attn_q.weight", permute_qk(tt(wqkv[:, : n * h]), n))
+        writer.add_tensor(b + "attn_k.weight", permute_qk(tt(wqkv[:, n * h: (n + k) * h]), k))
+        writer.add_tensor(b + "attn_v.weight", tt(wqkv[:, (n + k) * h:]))
+        writer.add_tensor(b + "attn_output.weight", tt(p["wo"]))
+        writer.add_tensor(b + "ffn_norm.weight", np.asarray(p["mlp_norm"], np.float32))
+        writer.add_tensor(b + "ffn_gate.weight", tt(w_gate_up[:, :f]))
+        writer.add_tensor(b + "ffn_up.weight", tt(w_gate_up[:, f:]))
+        writer.add_tensor(b + "ffn_down.weight", tt(p["w_down"]))
+    writer.add_tensor("output_norm.weight", np.asarray(params["final_norm"], np.float32))
+    if not cfg.tie_embeddings:
+        writer.add_tensor("output.weight", tt(params["lm_head"]))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def llamacpp_gguf(source: Path, cfg: ModelConfig, params: dict) -> Path:
+    """The F32 GGUF of ``params`` loaded from ``source``, written on first use.
+
+    It lives beside ``source``'s dequantized-weights cache entry and shares its key, so an
+    edited or replaced source GGUF gets a fresh file. Written to a temporary name and renamed,
+    so an interrupted write leaves nothing behind.
+    """
+    from specjax.io import gguf as gguf_io
+
+    entry = gguf_io.cache_path(source)
+    out = entry.with_name(entry.stem + ".f32.gguf")
+    if not out.exists():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_name(f".tmp-{os.getpid()}-{out.name}")
+        try:
+            write_f32_gguf(tmp, source, cfg, params)
+            os.replace(tmp, out)
+        finally:
+            tmp.unlink(missing_ok=True)
+    return out
+
+
+class LlamaCppEngine:
+    """``llama_cpp.Llama.generate`` with the greedy sampler over exactly N tokens."""
+
+    name = "llamacpp"
+
+    def __init__(self, model_path: Path, n_ctx: int, threads: int):
+        import gguf
+        from llama_cpp import Llama
+
+        f32 = int(gguf.GGMLQuantizationType.F32)
+        self.llm = Llama(str(model_path), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
+                         type_k=f32, type_v=f32, verbose=False)
+
+    def _stream(self, ids, n, on_token: Callable[[], None] = lambda: None) -> list[int]:
+        # reset() first: otherwise generate() reuses the KV cache of a previous identical
+        # prompt and skips the prefill we mean to time.
+        self.llm.reset()
+        tokens = []
+        for tok in self.llm.generate(ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0,
+                                     repeat_penalty=1.0):
+            tokens.append(int(tok))
+            on_token()
+            if len(tokens) == n:  # generate() never stops by itself, EOS included
+                break
+        return tokens
+
+    def warmup(self, ids, n):
+        self._stream(ids, min(n, WARMUP_TOKENS))
+
+    def generate(self, ids, n):
+        stamps = []
+        t0 = time.perf_counter()
+        tokens = self._stream(ids, n, lambda: stamps.append(time.perf_counter()))
+        return Timing(tokens, stamps[0] - t0, stamps[-1] - t0)
+
+
+# ----------------------------------------------------------------------------------- roofline
+
+
+def bandwidth_probe(gib: float = 1.0, repeats: int = 5) -> Callable[[], float]:
+    """A function measuring memory read bandwidth in bytes/s each time it is called.
+
+    Each call times a jitted ``jnp.sum`` over ``gib`` GiB of float32 (far larger than any cache,
+    so every byte comes from DRAM) ``repeats`` times and keeps the fastest. The array is
+    allocated once and lives as long as the probe, so the benchmark can sample bandwidth
+    between its rounds at the price of ``repeats`` sums (~50 ms each at 20 GB/s).
+    """
+    x = jnp.ones((int(gib * 2**30) // 4,), jnp.float32)
+    total = jax.jit(jnp.sum)
+    total(x).block_until_ready()  # compile, and fault in every page once
+
+    def measure() -> float:
+        best = float("inf")
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            total(x).block_until_ready()
+            best = min(best, time.perf_counter() - t0)
+        return x.nbytes / best
+
+    return measure
+
+
+def decode_weight_bytes(cfg: ModelConfig, params: dict) -> int:
+    """Bytes one decode step must read: every layer tensor, the final norm and the LM head.
+
+    A tied head is the embedding table, counted once; an untied model adds its head and the one
+    embedding row the step looks up.
+    """
+    n = sum(x.nbytes for x in jax.tree.leaves(params["layers"])) + params["final_norm"].nbytes
+    if cfg.tie_embeddings:
+        return n + params["embed"].nbytes
+    return n + params["lm_head"].nbytes + params["embed"][0].nbytes
+
+
+# ---------------------------------------------------------------------------------- benchmark
+
+
+def load_prompts(path: str | Path, n: int) -> list[str]:
+    """The first ``n`` prompts of a JSONL file (fields tried: :data:`PROMPT_FIELDS`; for a list
+    such as MT-Bench's ``turns``, its first entry)."""
+    prompts = []
+    with open(path, encoding="utf-8") as fh:
+        for lineno, line in enumerate(fh, 1):
+            if len(prompts) == n:
+                break
+            if not line.strip():
+                continue
+            row = json.loads(line)
+            field = next((f for f in PROMPT_FIELDS if f in row), None)
+            if field is None:
+                raise ValueError(f"{path}:{lineno}: no prompt field; expected one of "
+                                 f"{PROMPT_FIELDS}, found {sorted(row)}")
+            value = row[field]
+            prompts.append(value[0] if isinstance(value, list) else value)
+    if not prompts:
+        raise ValueError(f"{path} holds no prompts")
+    return prompts
+
+
+def _first_mismatch(a: Sequence[int], b: Sequence[int]) -> int | None:
+    """The first position where ``a`` and ``b`` differ (a length difference counts), or None."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y),
+                None if len(a) == len(b) else min(len(a), len(b)))
+
+
+def run_plain_benchmark(prompts: list[str], max_new_tokens: int = 128,
+                        engines: Sequence[str] = ENGINES, repeats: int = 2,
+                        threads: int = 2, log: Callable[[str], None] = print) -> dict:
+    """Runs the protocol of the module docstring and returns its results.
+
+    Args:
+      prompts: user messages, each formatted with the model's chat template.
+      max_new_tokens: N, the exact number of tokens every engine generates per prompt.
+      engines: a subset of :data:`ENGINES`; unavailable ones are skipped with a note.
+      repeats: timed rounds over all prompts and engines (each figure keeps the best).
+      threads: torch and llama.cpp threads.
+      log: where progress lines go.
+    Returns:
+      A JSON-serialisable dict: ``protocol``, ``environment``, ``bandwidth_bytes_s`` (the best
+      of ``bandwidth_samples_bytes_s``), ``weight_bytes``, ``roofline_tok_s``; per engine
+      ``engines[name]`` with ``decode_tok_s``, ``ms_per_token``, ``prefill_ms``, ``e2e_tok_s``,
+      ``roofline_fraction`` and per-prompt ``runs``; ``skipped`` (engine -> reason);
+      ``matches`` (engine -> per prompt, the first position where its greedy tokens differ
+      from specjax's, None when identical); ``outputs`` (engine -> decoded texts).
+    """
+    from specjax.io import load
+    from specjax.io.models import resolve
+
+    unknown = sorted(set(engines) - set(ENGINES))
+    if unknown:
+        raise ValueError(f"unknown engines {unknown}; choose from {ENGINES}")
+    if max_new_tokens < 2:
+        raise ValueError(f"max_new_tokens must be >= 2 to time decoding, got {max_new_tokens}")
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    if not prompts:
+        raise ValueError("no prompts given")
+
+    model = load(MODEL)
+    cfg, params, tok = model.cfg, model.params, model.tokenizer
+    ids = [tok.encode_chat([{"role": "user", "content": p}]) for p in prompts]
+    longest = max(len(i) for i in ids)
+    cache_size = api.round_up(longest + max_new_tokens, api.CACHE_MULTIPLE)
+
+    # Bandwidth is sampled before the engines and after every round, and the best sample kept:
+    # like the engines' times, one sample can be depressed by other processes.
+    log("measuring memory bandwidth ...")
+    probe = bandwidth_probe()
+    bandwidth_samples = [probe()]
+    weight_bytes = decode_weight_bytes(cfg, params)
+
+    built: dict[str, Engine] = {}
+    skipped: dict[str, str] = {}
+    for name in engines:
+        try:
+            if name == "specjax":
+                built[name] = SpecjaxEngine(cfg, params, cache_size)
+            elif name == "hf":
+                built[name] = HFEngine(cfg, params, threads)
+            else:
+                import llama_cpp  # noqa: F401  (fail fast, before writing a 0.5 GB file)
+
+                log("writing / finding the F32 GGUF for llama.cpp ...")
+                path = llamacpp_gguf(resolve(MODEL), cfg, params)
+                built[name] = LlamaCppEngine(path, n_ctx=cache_size, threads=threads)
+        except ImportError as e:
+            skipped[name] = f"not importable ({e.name or e}); see the module docstring"
+            log(f"note: skipping {name}: {skipped[name]}")
+
+    for name, engine in built.items():
+        log(f"warming up {name} ...")
+        engine.warmup(ids[0], max_new_tokens)
+
+    timings: dict[str, list[list[Timing]]] = {name: [[] for _ in ids] for name in built}
+    for r in range(repeats):
+        for i, prompt_ids in enumerate(ids):
+            for name, engine in built.items():
+                timings[name][i].append(engine.generate(prompt_ids, max_new_tokens))
+            line = ", ".join(f"{name} {timings[name][i][-1].total_s:.2f} s" for name in built)
+            log(f"round {r + 1}/{repeats}, prompt {i + 1}/{len(ids)} ({len(prompt_ids)} tokens): "
+                f"{line}")
+        bandwidth_samples.append(probe())
+    del probe  # frees the probe's 1 GiB
+
+    bandwidth = max(bandwidth_samples)
+    roofline = bandwidth / weight_bytes
+    results = {}
+    for name, per_prompt in timings.items():
+        first = [min(t.first_s for t in runs) for runs in per_prompt]
+        total = [min(t.total_s for t in runs) for runs in per_prompt]
+        decode_s = sum(total) - sum(first)
+        decode_tok_s = len(ids) * (max_new_tokens - 1) / decode_s
+        results[name] = {
+            "decode_tok_s": decode_tok_s,
+            "ms_per_token": 1000 / decode_tok_s,
+            "prefill_ms": 1000 * float(np.mean(first)),
+            "e2e_tok_s": len(ids) * max_new_tokens / sum(total),
+            "roofline_fraction": decode_tok_s / roofline,
+            "runs": [{"prompt_tokens": len(p), "first_s": [t.first_s for t in runs],
+                      "total_s": [t.total_s for t in runs]}
+                     for p, runs in zip(ids, per_prompt)],
+        }
+        if name == "specjax":
+            results[name]["compile_s"] = built[name].compile_s
+
+    matches = {}
+    if "specjax" in timings:
+        reference = [runs[-1].tokens for runs in timings["specjax"]]
+        for name, per_prompt in timings.items():
+            if name != "specjax":
+                matches[name] = [_first_mismatch(ref, runs[-1].tokens)
+                                 for ref, runs in zip(reference, per_prompt)]
+
+    def version(dist):
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            return None
+
+    return {
+        "protocol": {"model": MODEL, "max_new_tokens": max_new_tokens, "batch": 1,
+                     "sampling": "greedy", "stop_tokens": "none (exactly max_new_tokens)",
+                     "repeats": repeats, "statistic": "fastest round per prompt",
+                     "prompts": prompts, "prompt_tokens": [len(i) for i in ids],
+                     "cache_size": cache_size},
+        "environment": {"cpu_count": os.cpu_count(), "threads": threads,
+                        "jax": jax.__version__, "jax_backend": jax.default_backend(),
+                        **{d: version(d) for d in ("torch", "transformers",
+                                                   "llama-cpp-python")}},
+        "bandwidth_bytes_s": bandwidth,
+        "bandwidth_samples_bytes_s": bandwidth_samples,
+        "weight_bytes": weight_bytes,
+        "roofline_tok_s": roofline,
+        "engines": results,
+        "skipped": skipped,
+        "matches": matches,
+        "outputs": {name: [tok.decode(runs[-1].tokens) for runs in per_prompt]
+                    for name, per_prompt in timings.items()},
+    }
+
+
+def format_table(result: dict) -> str:
+    """The results as a fixed-width text table (one row per engine that ran)."""
+    engines = result["engines"]
+    hf = engines.get("hf", {}).get("decode_tok_s")
+    lc = engines.get("llamacpp", {}).get("decode_tok_s")
+
+    def ratio(x, base):
+        return f"{x / base:.2f}x" if base else "-"
+
+    head = (f"{'engine':<10} {'decode tok/s':>12} {'ms/token':>9} {'prefill ms':>10} "
+            f"{'e2e tok/s':>9} {'vs HF':>7} {'vs llama.cpp':>12} {'% roofline':>10}")
+    lines = [head, "-" * len(head)]
+    for name, r in engines.items():
+        lines.append(f"{name:<10} {r['decode_tok_s']:>12.1f} {r['ms_per_token']:>9.1f} "
+                     f"{r['prefill_ms']:>10.1f} {r['e2e_tok_s']:>9.1f} "
+                     f"{ratio(r['decode_tok_s'], hf):>7} {ratio(r['decode_tok_s'], lc):>12} "
+                     f"{100 * r['roofline_fraction']:>9.1f}%")
+    lines.append(f"{'roofline':<10} {result['roofline_tok_s']:>12.1f} "
+                 f"{1000 / result['roofline_tok_s']:>9.1f}   "
+                 f"({result['bandwidth_bytes_s'] / 1e9:.1f} GB/s measured / "
+                 f"{result['weight_bytes'] / 1e6:.1f} MB of weights per token)")
+    if any(r["roofline_fraction"] > 1 for r in engines.values()):
+        lines.append("note: above 100% means every bandwidth sample was depressed by other "
+                     "load, so the roofline is underestimated (samples in the JSON)")
+    return "\n".join(lines)
+
+
+def format_matches(result: dict) -> str:
+    """One line per compared engine: greedy tokens identical to specjax's, or where not."""
+    lines = []
+    for name, per_prompt in result["matches"].items():
+        bad = [(i, pos) for i, pos in enumerate(per_prompt) if pos is not None]
+        if not bad:
+            lines.append(f"{name} vs specjax: greedy tokens identical on all {len(per_prompt)} "
+                         "prompts")
+        else:
+            where = ", ".join(f"prompt {i} from token {pos}" for i, pos in bad)
+            lines.append(f"{name} vs specjax: {len(bad)}/{len(per_prompt)} prompts differ "
+                         f"({where})")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m specjax.bench",
+        description="Plain greedy decoding of SmolLM2-135M: specjax vs HF transformers vs "
+                    "llama.cpp in one process (protocol in the module docstring).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--max-new-tokens", type=int, default=128,
+                        help="exact tokens generated per prompt (no stop tokens)")
+    parser.add_argument("--prompts", type=int, default=3, help="number of prompts")
+    parser.add_argument("--prompt-file", default=None,
+                        help=f"JSONL of prompts (fields tried: {', '.join(PROMPT_FIELDS)}); "
+                             "default: built-in chat prompts")
+    parser.add_argument("--engines", default=",".join(ENGINES),
+                        help="comma-separated subset of " + ",".join(ENGINES))
+    parser.add_argument("--repeats", type=int, default=2, help="timed rounds (best kept)")
+    parser.add_argument("--threads", type=int, default=2, help="torch and llama.cpp threads")
+    parser.add_argument("--json", default=None, metavar="OUT", help="also write results here")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(argv)
+    if args.prompts < 1:
+        parser.error(f"--prompts must be >= 1, got {args.prompts}")
+    if args.prompt_file:
+        prompts = load_prompts(args.prompt_file, args.prompts)
+    else:
+        if args.prompts > len(DEFAULT_PROMPTS):
+            parser.error(f"only {len(DEFAULT_PROMPTS)} built-in prompts; use --prompt-file")
+        prompts = list(DEFAULT_PROMPTS[: args.prompts])
+    engines = [e.strip() for e in args.engines.split(",") if e.strip()]
+
+    unknown = sorted(set(engines) - set(ENGINES))
+    if unknown or not engines:
+        parser.error(f"--engines: unknown {unknown}; choose from {','.join(ENGINES)}")
+    if args.max_new_tokens < 2:
+        parser.error(f"--max-new-tokens must be >= 2 to time decoding, got {args.max_new_tokens}")
+    if args.repeats < 1 or args.threads < 1:
+        parser.error("--repeats and --threads must be >= 1")
+
+    command = shlex.join(["python", "-m", "specjax.bench", *argv])
+    print(f"command: {command}", flush=True)
+    result = run_plain_benchmark(prompts, args.max_new_tokens, engines, args.repeats,
+                                 args.threads, log=lambda s: print(s, flush=True))
+    result["command"] = command
+    env = result["environment"]
+    print(f"\n{command}")
+    lengths = ", ".join(map(str, result["protocol"]["prompt_tokens"]))
+    print(f"SmolLM2-135M float32, batch 1, greedy, exactly {args.max_new_tokens} new tokens per "
+          f"prompt, {len(prompts)} prompts ({lengths} tokens), best of {args.repeats} rounds; "
+          f"{env['cpu_count']} CPUs, threads "
+          f"{env['threads']}; jax {env['jax']}, torch {env['torch']}, transformers "
+          f"{env['transformers']}, llama-cpp-python {env['llama-cpp-python']}")
+    print(format_table(result))
+    for name, reason in result["skipped"].items():
+        print(f"{name}: skipped, {reason}")
+    if "specjax" in result["engines"]:
+        compile_s = result["engines"]["specjax"]["compile_s"]
+        print(f"specjax compile (excluded above): {compile_s:.1f} s")
+    if result["matches"]:
+        print(format_matches(result))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
