@@ -80,22 +80,6 @@ def row_keys(rng: jax.Array, batch: int, step: jax.Array) -> jax.Array:
         jnp.arange(batch))
 
 
-def sample_rows(keys: jax.Array, logits: jax.Array, sp: sampling.SamplingParams) -> jax.Array:
-    """Samples one token per row, each row with its own key: logits [B, V] -> [B] int32.
-
-    Greedy rows are exactly ``argmax``; an all-greedy batch skips the processing entirely (a
-    ``lax.cond`` on device, so no host round-trip).
-    """
-    argmax = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-
-    def draw():
-        logp = sampling.log_probs(logits, sp)
-        return jax.vmap(jax.random.categorical)(keys, logp).astype(jnp.int32)
-
-    drawn = jax.lax.cond(jnp.all(sp.greedy), lambda: argmax, draw)
-    return jnp.where(sp.greedy, argmax, drawn)
-
-
 def is_stop(tokens: jax.Array, stop_tokens: tuple[int, ...]) -> jax.Array:
     """Elementwise: whether each token is in the static ``stop_tokens`` set."""
     if not stop_tokens:
@@ -138,7 +122,7 @@ def generate(
     """
     b = prompt.shape[0]
     logits, _, cache = decoder.prefill(params, cfg, prompt, prompt_len, capacity)
-    first = sample_rows(row_keys(rng, b, jnp.int32(0)), logits, sp)
+    first = sampling.sample_rows(row_keys(rng, b, jnp.int32(0)), logits, sp)
     first_stop = is_stop(first, stop_tokens)
     out = jnp.full((b, max_new_tokens), pad_id, jnp.int32).at[:, 0].set(first)
     state = PlainState(
@@ -157,7 +141,7 @@ def generate(
         positions = s.cache.lengths[:, None] + jnp.arange(rows)[None, :]
         tokens = jnp.repeat(s.last[:, None], rows, axis=1)
         logits, _, cache = decoder.forward(params, cfg, tokens, positions, s.cache)
-        tok = sample_rows(row_keys(s.rng, b, s.step), logits[:, 0], sp)
+        tok = sampling.sample_rows(row_keys(s.rng, b, s.step), logits[:, 0], sp)
         running = ~s.done
         # Finished rows stop advancing their cache so they can never run past capacity.
         cache = cache_lib.advance(cache, running.astype(jnp.int32))
@@ -319,7 +303,7 @@ def speculative_generate(
     n, depth_max = drafter.n_nodes, drafter.max_depth
     logits, prefill_taps, cache = target.prefill(params, prompt, prompt_len, capacity,
                                                  drafter.taps)
-    first = sample_rows(row_keys(rng, b, jnp.int32(0)), logits, sp)
+    first = sampling.sample_rows(row_keys(rng, b, jnp.int32(0)), logits, sp)
     width = p + max_new_tokens + depth_max + 1
     seq = jnp.full((b, width), pad_id, jnp.int32).at[:, :p].set(prompt)
     seq = jax.vmap(lambda s, t, i: s.at[i].set(t))(seq, first, prompt_len)

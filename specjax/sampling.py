@@ -235,3 +235,19 @@ def sample(rng: jax.Array, logits: jax.Array, sp: SamplingParams) -> jax.Array:
         ),
     )
     return jnp.where(greedy, argmax, drawn)
+
+
+def sample_rows(keys: jax.Array, logits: jax.Array, sp: SamplingParams) -> jax.Array:
+    """Samples one token per row, each row with its own key: logits [B, V] -> [B] int32.
+
+    Greedy rows are exactly ``argmax``; an all-greedy batch skips the processing entirely (a
+    ``lax.cond`` on device, so no host round-trip).
+    """
+    argmax = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+    def draw():
+        probs = jnp.exp(log_probs(logits, sp))
+        return inverse_cdf_sample(jax.vmap(jax.random.uniform)(keys), probs)
+
+    drawn = jax.lax.cond(jnp.all(sp.greedy), lambda: argmax, draw)
+    return jnp.where(sp.greedy, argmax, drawn)

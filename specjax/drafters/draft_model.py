@@ -102,14 +102,9 @@ class DraftModelDrafter:
         cache = cache_lib.advance(cache, n_pending)
         keys = jax.random.split(rng, self.draft_len)
 
-        def draw(key, lg):
-            logp = sampling.log_probs(lg, sp)
-            drawn = jax.vmap(jax.random.categorical)(jax.random.split(key, b), logp)
-            return jnp.where(sp.greedy, jnp.argmax(lg, -1), drawn).astype(jnp.int32)
-
         def step(carry, key):
             cache, lg, i = carry
-            tok = draw(key, lg)
+            tok = sampling.sample_rows(jax.random.split(key, b), lg, sp)
             nxt, _, cache = target.forward(params, self.cfg, tok[:, None],
                                            (cache.lengths + i)[:, None], _at(cache, i))
             return (_at(cache, -i), nxt[:, 0], i + 1), (tok, lg)
