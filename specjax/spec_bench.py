@@ -69,7 +69,8 @@ def _decode_seconds(cfg, params, ids, max_new_tokens, cache_size, drafter, dpara
 def run_spec_benchmark(model, prompts: Sequence[str], *, max_new_tokens: int = 128,
                        nodes: Sequence[int] = (1, 2, 4, 8, 16, 32, 64), repeats: int = 2,
                        draft_lens: Sequence[int] = (4, 8), draft_layers: int = 4,
-                       log=print) -> dict:
+                       methods: Sequence[str] = ("ngram", "draft-model"),
+                       dtypes: Sequence[str] = ("float32", "bfloat16"), log=print) -> dict:
     """Runs both measurements (module docstring) and returns them as a dict."""
     cfg, params, tok = model.cfg, model.params, model.tokenizer
     cfg16 = cfg.replace(dtype="bfloat16")
@@ -77,15 +78,18 @@ def run_spec_benchmark(model, prompts: Sequence[str], *, max_new_tokens: int = 1
 
     log("verify cost curve (ms per pass):")
     curves = {}
-    for c, p in ((cfg, params), (cfg16, params16)):
+    precisions = [(c, p) for c, p in ((cfg, params), (cfg16, params16)) if c.dtype in dtypes]
+    for c, p in precisions:
         curves[c.dtype] = calibrate.measure_verify_costs(
             c, p, nodes, progress=lambda n, s, d=c.dtype: log(f"  {d} N={n}: {s * 1e3:.1f}"))
     fastest_any = min(v.fastest_plain_step for v in curves.values())
 
-    configs = {"plain f32": (cfg, params, None, None), "plain bf16": (cfg16, params16, None, None)}
-    for k in draft_lens:
+    configs = {"plain f32": (cfg, params, None, None)}
+    if "bfloat16" in dtypes:
+        configs["plain bf16"] = (cfg16, params16, None, None)
+    for k in draft_lens if "ngram" in methods else ():
         configs[f"ngram k={k}"] = (cfg, params, NgramDrafter(draft_len=k), None)
-    for k in draft_lens:
+    for k in draft_lens if "draft-model" in methods else ():
         d, dp = DraftModelDrafter.from_target_layers(cfg, params, draft_layers, draft_len=k)
         configs[f"draft-model L={draft_layers} k={k}"] = (cfg, params, d, dp)
     encoded = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}]))
@@ -107,7 +111,7 @@ def run_spec_benchmark(model, prompts: Sequence[str], *, max_new_tokens: int = 1
                     taus[name].append(res.tau)
         log(f"round {r + 1}/{repeats} done")
     plain = sum(best["plain f32"])
-    fastest_plain = min(plain, sum(best["plain bf16"]))
+    fastest_plain = min(sum(best[n]) for n in configs if n.startswith("plain"))
     rows = []
     for name in configs:
         secs = sum(best[name])
@@ -156,6 +160,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--nodes", default="1,2,4,8,16,32,64")
     parser.add_argument("--draft-lens", default="4,8")
     parser.add_argument("--draft-layers", type=int, default=4)
+    parser.add_argument("--methods", default="ngram,draft-model",
+                        help="drafters to run: ngram, draft-model (comma-separated)")
+    parser.add_argument("--dtypes", default="float32,bfloat16",
+                        help="precisions for the verify curve and plain decoding")
     args = parser.parse_args(argv)
     print("$ python -m specjax.spec_bench " + " ".join(map(shlex.quote, sys.argv[1:] if argv is None
                                                            else argv)))
@@ -164,7 +172,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     result = run_spec_benchmark(
         load(args.model), copy_prompts(args.prompts), max_new_tokens=args.max_new_tokens,
         nodes=[int(n) for n in args.nodes.split(",")], repeats=args.repeats,
-        draft_lens=[int(k) for k in args.draft_lens.split(",")], draft_layers=args.draft_layers)
+        draft_lens=[int(k) for k in args.draft_lens.split(",")], draft_layers=args.draft_layers,
+        methods=args.methods.split(","), dtypes=args.dtypes.split(","))
     print(format_report(result))
     return 0
 
