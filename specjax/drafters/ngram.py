@@ -97,13 +97,14 @@ class NgramDrafter:
         b, w = seq.shape
         pos = jnp.arange(w)[None, :]  # [1, W]
         best = jnp.zeros((b, w), jnp.int32)  # longest n-gram matching at start j (0 = none)
+        # shifted[i][:, j] = seq[:, j + i]: one static shift per offset, shared by every g.
+        shifted = [jnp.pad(seq[:, i:], ((0, 0), (0, i))) for i in range(self.max_ngram)]
         for g in range(self.min_ngram, self.max_ngram + 1):
             suffix_start = seq_len - g  # [B]
             match = (pos + g < seq_len[:, None]) & (suffix_start[:, None] >= 0)
             for i in range(g):
                 want = jnp.take_along_axis(seq, jnp.maximum(suffix_start + i, 0)[:, None], axis=1)
-                got = jnp.take_along_axis(seq, jnp.minimum(pos + i, w - 1).repeat(b, 0), axis=1)
-                match &= got == want
+                match &= shifted[i] == want
             best = jnp.where(match, g, best)
         # Longest n-gram first, then the most recent occurrence.
         score = jnp.where(best > 0, best * w + pos, -1)  # [B, W]
