@@ -78,6 +78,7 @@ def test_mixed_batch_keeps_greedy_rows_greedy():
 def test_stop_token_ends_only_its_row():
     free = api.generate_tokens(TINY, PARAMS, PROMPTS, max_new_tokens=12)
     stop = free.tokens[1][4]  # a token row 1 emits mid-way
+    assert any(stop not in t for t in free.tokens), "the stop token must spare some row"
     got = api.generate_tokens(TINY, PARAMS, PROMPTS, max_new_tokens=12, stop_tokens=[stop])
     for row, tokens in enumerate(free.tokens):
         cut = tokens.index(stop) + 1 if stop in tokens else len(tokens)

@@ -4,6 +4,7 @@ the whole loop, a foreign target and drafter, fallbacks, and one compile with on
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 
 import jax
@@ -20,6 +21,7 @@ from specjax.drafters.ngram import NgramDrafter
 from specjax.models import cache as cache_lib
 from specjax.models import target
 from specjax.targets import DecoderTarget
+from specjax.tree import StaticTree
 
 TINY = ModelConfig(arch="llama", vocab_size=61, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
                    head_dim=8, d_ff=48)
@@ -29,15 +31,82 @@ PROMPTS = [[5, 9, 3, 5, 9, 3, 5], [7, 1, 2, 8, 4, 4, 6, 10, 11, 7, 1], [13], [2,
 NEAR_TIE = 1e-4  # a top-2 logit gap below this may flip between a 1-token and an N-token pass
 
 
-def _drafters(budget):
-    """(name, drafter, drafter params) for every drafter at a verify budget of N nodes."""
-    out = [("ngram-chain", NgramDrafter.for_budget(budget), None)]
+@dataclasses.dataclass(frozen=True)
+class OracleTreeDrafter:
+    """Drafts a static binary tree around a known greedy continuation (its params, [B, T]).
+
+    Row b, having generated g tokens, has one "good" child rank per depth d: rank 0 at every
+    depth when ``g % 3 == 0`` (the spine, the deepest path of a truncated tree), rank 1 at
+    depth 1 and rank 0 below when ``g % 3 == 1``, and ``(g + d) % 2`` otherwise; at depths
+    where ``(g + d) % 5 == 0`` no child is good. The node reached from the root through good
+    ranks only carries the true next token ``ref[b, g + d - 1]``, every other node a wrong
+    one. So accepted paths run through first and second children alike and end at varying
+    depths: the commit of non-contiguous tree paths, deep acceptance and early rejection are
+    all exercised, while the output must stay the plain greedy one. Any tree budget works (a
+    BFS prefix of a binary tree).
+    """
+
+    static_tree: StaticTree
+    taps: tuple[int, ...] = ()
+
+    @property
+    def n_nodes(self):
+        return self.static_tree.n_nodes
+
+    @property
+    def max_depth(self):
+        return self.static_tree.max_depth
+
+    def init(self, ref, prefill):
+        return prefill.prompt_len
+
+    def propose(self, ref, prompt_len, ctx, rng):
+        parents = np.asarray(self.static_tree.parents)
+        depth = np.asarray(self.static_tree.depth)
+        n, dmax = parents.size, max(self.max_depth, 1)
+        rank = np.zeros(n, np.int32)  # a node's rank among its siblings
+        ranks = np.full((n, dmax + 1), -1, np.int32)  # ranks[i, d]: rank of i's ancestor at depth d
+        for i in range(1, n):
+            rank[i] = sum(parents[j] == parents[i] for j in range(1, i))
+            ranks[i] = ranks[parents[i]]
+            ranks[i, depth[i]] = rank[i]
+        b = ctx.seq.shape[0]
+        g = (ctx.seq_len - prompt_len)[:, None, None]  # [B, 1, 1] tokens generated so far
+        d = np.arange(dmax + 1)[None, None, :]
+        kind = g % 3
+        good_rank = jnp.where(kind == 0, 0, jnp.where(kind == 1, (d == 1).astype(jnp.int32),
+                                                      (g + d) % 2))
+        good_rank = jnp.where((g + d) % 5 == 0, -2, good_rank)  # [B, 1, D + 1]
+        on_path = (ranks[None] == -1) | (ranks[None] == good_rank)  # [B, N, D + 1]
+        good = jnp.all(on_path | (d > depth[None, :, None]), axis=-1)  # [B, N]
+        idx = jnp.clip(g[:, :, 0] + depth[None, :] - 1, 0, ref.shape[1] - 1)  # [B, N]
+        right = jnp.take_along_axis(ref, idx, axis=1)
+        wrong = (right + 1 + rank[None, :]) % TINY.vocab_size
+        tokens = jnp.where(good, right, wrong).at[:, 0].set(ctx.root)
+        return Proposal(tokens, jnp.broadcast_to(jnp.asarray(parents, jnp.int32), (b, n)),
+                        jnp.ones((b, n), bool)), prompt_len
+
+    def commit(self, ref, prompt_len, ctx, accepted):
+        return prompt_len
+
+
+def _drafters(budget, ref):
+    """(name, drafter, drafter params) for every drafter at a verify budget of N nodes; ``ref``
+    [B, T] is the plain greedy continuation the oracle tree drafts around."""
+    out = [("ngram-chain", NgramDrafter.for_budget(budget), None),
+           ("oracle-tree", OracleTreeDrafter(StaticTree.kary(2, 6).truncate(budget)), ref)]
     if budget >= 4:
         out.append(("ngram-tree", NgramDrafter.for_budget(budget, branches=3), None))
     if budget >= 2:
         draft, dp = DraftModelDrafter.from_target_layers(TINY, PARAMS, 1, draft_len=budget - 1)
         out.append(("draft-model", draft, dp))
     return out
+
+
+def _ref_array(result):
+    """Generated tokens of a plain run as a [B, max_new_tokens] array, padded with 0."""
+    width = max(map(len, result.tokens))
+    return jnp.asarray([t + [0] * (width - len(t)) for t in result.tokens], jnp.int32)
 
 
 def _assert_same_or_near_tie(prompt, got, want):
@@ -60,17 +129,24 @@ def test_greedy_speculative_equals_plain_for_every_drafter(budget):
     plain = api.generate_tokens(TINY, PARAMS, PROMPTS, max_new_tokens=24)
     stop = plain.tokens[1][9]  # ends row 1 (and any row that emits it) mid-run
     plain_stop = api.generate_tokens(TINY, PARAMS, PROMPTS, max_new_tokens=24, stop_tokens=[stop])
-    for name, drafter, dp in _drafters(budget):
-        # Batch 4 (mixed lengths, a stop token) always; batch 1 once per drafter kind, since
-        # every configuration costs a compile.
-        cases = [(PROMPTS, plain_stop, [stop])] + ([(PROMPTS[:1], plain, [])] if budget == 16 else [])
-        for prompts, ref, stops in cases:
+    assert any(stop not in t for t in plain.tokens), "the stop token must spare some row"
+    ref = _ref_array(plain)
+    for name, drafter, dp in _drafters(budget, ref):
+        # Batch 4 (mixed lengths, a stop token) and batch 1 (no stop token).
+        cases = [(PROMPTS, plain_stop, [stop], dp), (PROMPTS[:1], plain, [], dp)]
+        if name == "oracle-tree":
+            cases[1] = (PROMPTS[:1], plain, [], ref[:1])
+        for prompts, want, stops, params in cases:
             got = api.generate_tokens(TINY, PARAMS, prompts, max_new_tokens=24, stop_tokens=stops,
-                                      drafter=drafter, drafter_params=dp)
+                                      drafter=drafter, drafter_params=params)
             for row, prompt in enumerate(prompts):
-                _assert_same_or_near_tie(prompt, got.tokens[row], ref.tokens[row])
-            assert got.stopped == ref.stopped[: len(prompts)], name
+                _assert_same_or_near_tie(prompt, got.tokens[row], want.tokens[row])
+            assert got.stopped == want.stopped[: len(prompts)], name
             assert (got.stats.fallbacks == 0).all(), name
+            if name == "oracle-tree" and budget >= 4:
+                # The oracle's good paths are accepted, so this case really ran deep,
+                # branching acceptance through commit.
+                assert got.tau > 1.5, (budget, got.tau)
 
 
 def test_drafts_are_actually_accepted():
@@ -91,13 +167,23 @@ def test_drafts_are_actually_accepted():
     assert (accepted + cycles) / cycles > 2.5
 
 
-def test_max_new_tokens_is_exact_inside_accepted_runs():
-    drafter = NgramDrafter(draft_len=6)
+def test_max_new_tokens_and_stop_tokens_cut_accepted_runs():
+    drafter = OracleTreeDrafter(StaticTree.kary(2, 6).truncate(16))
     plain = api.generate_tokens(TINY, PARAMS, PROMPTS, max_new_tokens=13)
+    ref = _ref_array(plain)
     for n in (1, 5, 13):
-        got = api.generate_tokens(TINY, PARAMS, PROMPTS, max_new_tokens=n, drafter=drafter)
+        got = api.generate_tokens(TINY, PARAMS, PROMPTS, max_new_tokens=n, drafter=drafter,
+                                  drafter_params=ref)
         # Greedy decoding limited to n tokens is the first n of a longer greedy run.
         assert got.tokens == [t[:n] for t in plain.tokens]
+        assert n == 1 or got.stats.accepted.sum() > 0
+    # A stop token deep inside a run the oracle gets accepted whole.
+    stop = plain.tokens[1][7]
+    want = api.generate_tokens(TINY, PARAMS, PROMPTS, max_new_tokens=13, stop_tokens=[stop])
+    got = api.generate_tokens(TINY, PARAMS, PROMPTS, max_new_tokens=13, stop_tokens=[stop],
+                              drafter=drafter, drafter_params=ref)
+    assert got.tokens == want.tokens and got.stopped == want.stopped
+    assert got.stopped[1] and got.stats.cycles[1] < len(got.tokens[1])
 
 
 def test_mixed_batch_greedy_rows_stay_greedy():
@@ -133,17 +219,43 @@ def test_unusable_proposals_fall_back_to_plain_decoding(kind):
     assert (got.stats.fallbacks == got.stats.cycles).all() and (got.stats.cycles == 7).all()
 
 
-def test_one_compile_and_a_single_while_loop():
+class _BackendCompiles:
+    """Counts XLA backend compilations (JAX's own monitoring event) inside a ``with`` block."""
+
+    EVENT = "/jax/core/compile/backend_compile_duration"
+
+    def __enter__(self):
+        self.count = 0
+        jax.monitoring.register_event_duration_secs_listener(self._listen)
+        return self
+
+    def __exit__(self, *exc):
+        jax.monitoring.unregister_event_duration_listener(self._listen)
+
+    def _listen(self, event, duration_secs, **kwargs):
+        self.count += event == self.EVENT
+
+
+@pytest.mark.parametrize("kind", ["ngram", "draft-model"])
+def test_one_compile_and_a_single_while_loop(kind):
+    if kind == "ngram":
+        drafter, dp = NgramDrafter(draft_len=3), None
+    else:
+        drafter, dp = DraftModelDrafter.from_target_layers(TINY, PARAMS, 1, draft_len=3)
     api._COMPILED.clear()
-    drafter = NgramDrafter(draft_len=3)
-    a = api.generate_tokens(TINY, PARAMS, [[1, 2, 3, 1, 2], [4]], max_new_tokens=6, drafter=drafter)
-    b = api.generate_tokens(TINY, PARAMS, [[9, 9, 9], [4, 5, 6, 7]], max_new_tokens=6,
-                            drafter=drafter, temperature=0.8)
-    assert a.compile_s > 0 and b.compile_s == 0 and len(api._COMPILED) == 1
+    jax.clear_caches()
+    with _BackendCompiles() as first:
+        api.generate_tokens(TINY, PARAMS, [[1, 2, 3, 1, 2], [4]], max_new_tokens=6,
+                            drafter=drafter, drafter_params=dp)
+    # Other prompts of the same bucket, other sampling settings: nothing compiles again.
+    with _BackendCompiles() as second:
+        api.generate_tokens(TINY, PARAMS, [[9, 9, 9], [4, 5, 6, 7]], max_new_tokens=6,
+                            drafter=drafter, drafter_params=dp, temperature=0.8, top_k=[0, 3])
+    assert first.count >= 1 and second.count == 0, (first.count, second.count)
     prompt, lengths = api.pad_prompts([[1, 2, 3]])
     jaxpr = str(jax.make_jaxpr(lambda *a: decode.speculative_generate(
         *a, target=DecoderTarget(TINY), drafter=drafter, max_new_tokens=6, capacity=64))(
-        PARAMS, None, prompt, lengths, sampling.SamplingParams.make(1), jax.random.key(0)))
+        PARAMS, dp, prompt, lengths, sampling.SamplingParams.make(1), jax.random.key(0)))
     assert jaxpr.count("while[") == 1
     assert "callback" not in jaxpr
 
@@ -277,3 +389,61 @@ def test_the_law_test_has_power_against_a_lying_drafter():
 def test_foreign_stack_greedy_equals_argmax_chain():
     got = _sample_foreign(FOREIGN, Q_TABLE, 0.0, 0, 1.0, 3, seed=0)
     assert (got == np.array(_greedy_chain(3, 3))).all()
+
+
+BINARY = StaticTree.kary(2, 2)  # the root, two children, four grandchildren
+
+
+def _foreign_tree_propose(q_table, dstate, ctx, rng, *, real_q=True, lie=False):
+    """Drafts BINARY over a bigram draft table, level by level.
+
+    With ``real_q`` every node's two children are i.i.d. draws from ``q(. | node)`` and the
+    proposal reports those ``q`` (multi-draft rejection sampling); without it the children are
+    the two likeliest tokens under ``q`` and the proposal is deterministic. ``lie`` reports a
+    uniform ``q`` instead of the one sampled from, which breaks losslessness.
+    """
+    b = ctx.seq.shape[0]
+    parents = np.asarray(BINARY.parents)
+    tokens = [ctx.root]
+    for i, key in zip(range(1, BINARY.n_nodes), jax.random.split(rng, BINARY.n_nodes - 1)):
+        logp = sampling.log_probs(q_table[tokens[parents[i]]], ctx.sp)  # [B, V]
+        if real_q:
+            tok = jax.vmap(jax.random.categorical)(jax.random.split(key, b), logp)
+        else:
+            tok = jax.lax.top_k(logp, 2)[1][:, (i - 1) % 2]
+        tokens.append(tok.astype(jnp.int32))
+    tokens = jnp.stack(tokens, 1)
+    logits = None
+    if real_q:
+        logits = jnp.zeros_like(q_table[tokens]) if lie else q_table[tokens]  # [B, N, V]
+    return Proposal(tokens, jnp.broadcast_to(jnp.asarray(parents, jnp.int32), tokens.shape),
+                    jnp.ones(tokens.shape, bool), logits), dstate
+
+
+def _tree_drafter(**kw):
+    return FunctionDrafter(functools.partial(_foreign_tree_propose, **kw), n_nodes=BINARY.n_nodes,
+                           max_depth=BINARY.max_depth, static_tree=BINARY)
+
+
+@pytest.mark.parametrize("real_q", [True, False], ids=["multi-draft-q", "deterministic"])
+def test_tree_rules_in_the_loop_preserve_the_target_law(real_q):
+    """Both tree rules, through the whole loop (ragged acceptance, commit, the next cycle),
+    sample the exact law of plain sampling: chi-square on 200k samples, alpha = 0.001, with
+    top-k and top-p on and a greedy row among every five."""
+    greedy = np.arange(ROWS) % 5 == 0
+    temps = np.where(greedy, 0.0, 0.7)
+    law = _exact_law(0.7, 5, 0.9, first=3, n=3)
+    drafter = _tree_drafter(real_q=real_q)
+    samples = np.concatenate([_sample_foreign(drafter, Q_TABLE, temps, 5, 0.9, ROWS, seed)
+                              for seed in range(5)])
+    is_greedy = np.tile(greedy, 5)
+    assert (samples[is_greedy] == np.array(_greedy_chain(3, 3))).all()
+    assert _chi_square_p(samples[~is_greedy], law) > 1e-3
+
+
+def test_the_tree_law_test_has_power_against_a_lying_drafter():
+    law = _exact_law(1.0, 0, 1.0, first=3, n=3)
+    drafter = _tree_drafter(lie=True)
+    samples = np.concatenate([_sample_foreign(drafter, Q_TABLE, 1.0, 0, 1.0, ROWS, seed)
+                              for seed in range(4)])
+    assert _chi_square_p(samples, law) < 1e-3
