@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax import sampling
 from specjax.config import ModelConfig
 from specjax.models import cache as cache_lib
 from specjax.models import target
@@ -63,7 +64,7 @@ def _passes(params, cache, tokens, *, cfg: ModelConfig, tree: StaticTree, reps: 
 
     def body(_, toks):
         logits, _, _ = target.forward(params, cfg, toks, positions, cache, mask)
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        return sampling.argmax(logits)
 
     return jax.lax.fori_loop(0, reps, body, tokens)
 

@@ -108,6 +108,29 @@ class SamplingParams:
         return self.temperature <= 0
 
 
+def argmax(x: jax.Array) -> jax.Array:
+    """``jnp.argmax(x, axis=-1)`` as int32, computed as a max and then a min over indices.
+
+    XLA:CPU lowers ``jnp.argmax`` to a variadic (value, index) reduction that it does not
+    vectorise: ~1 ms for [9, 49152] float32 logits against ~0.2 ms this way, and every greedy
+    step and verification takes one over the vocabulary. The result is the same, ties and
+    NaNs included: the first index of the maximum, or of the first NaN if there is one.
+
+    Args:
+      x: ``[..., V]`` floats, integers or bools.
+    Returns:
+      ``[...]`` int32 indices into the last axis.
+    """
+    hit_index = lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
+    if jnp.issubdtype(x.dtype, jnp.floating):
+        nan = jnp.isnan(x)
+        top = jnp.max(jnp.where(nan, jnp.inf, x), axis=-1, keepdims=True)
+        hit = jnp.where(jnp.any(nan, axis=-1, keepdims=True), nan, x == top)
+    else:
+        hit = x == jnp.max(x, axis=-1, keepdims=True)
+    return jnp.min(jnp.where(hit, hit_index, x.shape[-1]), axis=-1)
+
+
 def _per_row(x: jax.Array, ndim: int) -> jax.Array:
     """``[B]`` -> ``[B, 1, ..., 1]`` with ``ndim`` axes, to broadcast over ``[B, ..., V]``."""
     return x.reshape(x.shape + (1,) * (ndim - 1))
@@ -182,7 +205,7 @@ def log_probs(logits: jax.Array, sp: SamplingParams) -> jax.Array:
     kept = lax.cond(truncating, _kept, lambda z, *_: jnp.ones(z.shape, bool), z, top_k, top_p)
     sampled = jax.nn.log_softmax(jnp.where(kept, z, -jnp.inf), axis=-1)
     vocab_ids = lax.broadcasted_iota(jnp.int32, logits.shape, ndim - 1)
-    point_mass = jnp.where(vocab_ids == jnp.argmax(logits, -1)[..., None], 0.0, -jnp.inf)
+    point_mass = jnp.where(vocab_ids == argmax(logits)[..., None], 0.0, -jnp.inf)
     return jnp.where(greedy, point_mass, sampled)
 
 
@@ -210,8 +233,8 @@ def inverse_cdf_sample(u: jax.Array, probs: jax.Array) -> jax.Array:
     # ulp above its predecessor's.
     hit = (cdf > u[..., None] * cdf[..., -1:]) & positive  # [B, ..., V]
     # No hit only if u * total rounded up to the total, or the row is all zero.
-    last = vocab - 1 - jnp.argmax(jnp.flip(positive, axis=-1), axis=-1)
-    return jnp.where(jnp.any(hit, axis=-1), jnp.argmax(hit, axis=-1), last).astype(jnp.int32)
+    last = vocab - 1 - argmax(jnp.flip(positive, axis=-1))
+    return jnp.where(jnp.any(hit, axis=-1), argmax(hit), last)
 
 
 def sample(rng: jax.Array, logits: jax.Array, sp: SamplingParams) -> jax.Array:
@@ -225,16 +248,16 @@ def sample(rng: jax.Array, logits: jax.Array, sp: SamplingParams) -> jax.Array:
     Returns:
       ``[B, ...]`` int32 tokens; greedy rows are exactly ``jnp.argmax(logits, -1)``.
     """
-    argmax = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [B, ...]
+    top = argmax(logits)  # [B, ...]
     greedy = _per_row(sp.greedy, logits.ndim - 1)
     drawn = lax.cond(
         jnp.all(sp.greedy),
-        lambda: argmax,  # all-greedy batches skip the vocab-sized processing
+        lambda: top,  # all-greedy batches skip the vocab-sized processing
         lambda: inverse_cdf_sample(
-            jax.random.uniform(rng, argmax.shape), jnp.exp(log_probs(logits, sp))
+            jax.random.uniform(rng, top.shape), jnp.exp(log_probs(logits, sp))
         ),
     )
-    return jnp.where(greedy, argmax, drawn)
+    return jnp.where(greedy, top, drawn)
 
 
 def sample_rows(keys: jax.Array, logits: jax.Array, sp: SamplingParams) -> jax.Array:
@@ -243,11 +266,11 @@ def sample_rows(keys: jax.Array, logits: jax.Array, sp: SamplingParams) -> jax.A
     Greedy rows are exactly ``argmax``; an all-greedy batch skips the processing entirely (a
     ``lax.cond`` on device, so no host round-trip).
     """
-    argmax = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    top = argmax(logits)
 
     def draw():
         probs = jnp.exp(log_probs(logits, sp))
         return inverse_cdf_sample(jax.vmap(jax.random.uniform)(keys), probs)
 
-    drawn = jax.lax.cond(jnp.all(sp.greedy), lambda: argmax, draw)
-    return jnp.where(sp.greedy, argmax, drawn)
+    drawn = jax.lax.cond(jnp.all(sp.greedy), lambda: top, draw)
+    return jnp.where(sp.greedy, top, drawn)

@@ -67,7 +67,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from specjax import tree
-from specjax.sampling import SamplingParams, inverse_cdf_sample, log_probs
+from specjax.sampling import SamplingParams, argmax, inverse_cdf_sample, log_probs
 
 
 @jax.tree_util.register_dataclass
@@ -156,14 +156,14 @@ def emitted_tokens(result: VerifyResult, tokens: jax.Array) -> tuple[jax.Array, 
 
 def _greedy(target_logits, tokens, parents, tryable, anc, depth, max_depth) -> VerifyResult:
     """Rule 1, vectorised over the tree: the deepest node whose whole path matches."""
-    argmax = jnp.argmax(target_logits, axis=-1).astype(jnp.int32)  # [B, N]
-    predicted = jnp.take_along_axis(argmax, jnp.maximum(parents, 0), axis=1)  # [B, N] at parent
+    top = argmax(target_logits)  # [B, N]
+    predicted = jnp.take_along_axis(top, jnp.maximum(parents, 0), axis=1)  # [B, N] at parent
     match = (tokens == predicted) & tryable
     match = match.at[:, 0].set(True)
     good = jnp.all(~anc | match[:, None, :], axis=-1)  # [B, N] every node on its root path matches
     best = jnp.argmax(jnp.where(good, depth, -1), axis=-1)  # [B] first index among the deepest
     n_accepted = jnp.take_along_axis(depth, best[:, None], axis=1)[:, 0]
-    bonus = jnp.take_along_axis(argmax, best[:, None], axis=1)[:, 0]
+    bonus = jnp.take_along_axis(top, best[:, None], axis=1)[:, 0]
     return VerifyResult(_path_to(anc, depth, best, max_depth), n_accepted, bonus)
 
 

@@ -202,3 +202,19 @@ def test_make_broadcasts_scalars_and_keeps_per_row_values():
 def test_make_rejects_bad_values(kwargs, match):
     with pytest.raises(ValueError, match=match):
         SamplingParams.make(2, **kwargs)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.int32, jnp.bool_])
+def test_argmax_equals_jnp_argmax_ties_and_non_finite_values_included(dtype):
+    gen = np.random.default_rng(0)
+    x = gen.integers(-3, 4, (6, 5, 37)).astype(np.float32)  # small integers: many ties
+    if jnp.issubdtype(dtype, jnp.floating):
+        x[0, :, 5] = np.inf
+        x[1, :, [3, 30]] = np.nan  # the first NaN wins, even over an inf elsewhere
+        x[1, :, 9] = np.inf
+        x[2] = -np.inf  # all -inf: index 0
+        x[3, 0, 7] = -0.0
+    x = jnp.asarray(x > 0 if dtype == jnp.bool_ else x, dtype)
+    got = sampling.argmax(x)
+    assert got.dtype == jnp.int32
+    np.testing.assert_array_equal(got, jnp.argmax(x, axis=-1))
