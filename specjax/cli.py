@@ -74,15 +74,16 @@ def _generate(args) -> int:
         print(f"error: {args.model} has no tokenizer files; specjax generate needs text I/O",
               file=sys.stderr)
         return 2
-    texts = []
+    ids = []
     for prompt in args.prompt:
         if args.raw:
-            texts.append(prompt)
+            ids.append(tok.encode(prompt))
         else:
+            # A chat template spells out its own special tokens (BOS included), so they must
+            # not be added again.
             messages = ([{"role": "system", "content": args.system}] if args.system else [])
             messages.append({"role": "user", "content": prompt})
-            texts.append(tok.apply_chat_template(messages, add_generation_prompt=True))
-    ids = [tok.encode(t) for t in texts]
+            ids.append(tok.encode_chat(messages))
     drafter, drafter_params = make_drafter(args, model.cfg, model.params)
     result = api.generate_tokens(
         model.cfg, model.params, ids, max_new_tokens=args.max_new_tokens,

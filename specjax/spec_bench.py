@@ -92,8 +92,7 @@ def run_spec_benchmark(model, prompts: Sequence[str], *, max_new_tokens: int = 1
     for k in draft_lens if "draft-model" in methods else ():
         d, dp = DraftModelDrafter.from_target_layers(cfg, params, draft_layers, draft_len=k)
         configs[f"draft-model L={draft_layers} k={k}"] = (cfg, params, d, dp)
-    encoded = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}]))
-               for p in prompts]
+    encoded = [tok.encode_chat([{"role": "user", "content": p}]) for p in prompts]
     cache_size = api.round_up(max(map(len, encoded)) + max_new_tokens + max(draft_lens) + 2,
                               api.CACHE_MULTIPLE)
     best = {name: [np.inf] * len(encoded) for name in configs}

@@ -48,13 +48,15 @@ def hf_llama_dir(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def hf_qwen3_dir(tmp_path_factory):
-    """(path, torch model): a random float32 Qwen3 (q/k norms, tied embeddings)."""
+    """(path, torch model): a random float32 Qwen3 (q/k norms, tied embeddings), with an
+    explicit head_dim=32 != hidden_size / num_attention_heads = 16, as real Qwen3 checkpoints
+    have (Qwen3-0.6B: 128 != 1024 / 16), so a loader that derives head_dim fails."""
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(0)
-    config = Qwen3Config(**TINY_HF, rope_theta=1000000.0, max_position_embeddings=512,
-                         rms_norm_eps=1e-6, tie_word_embeddings=True)
+    config = Qwen3Config(**{**TINY_HF, "head_dim": 32}, rope_theta=1000000.0,
+                         max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=True)
     return _save_tiny_hf(tmp_path_factory.mktemp("hf_qwen3"), Qwen3ForCausalLM(config))
 
 

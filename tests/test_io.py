@@ -155,8 +155,8 @@ def test_load_hf_llama_equals_torch_weights(hf_llama_dir):
 def test_load_hf_qwen3_equals_torch_weights(hf_qwen3_dir):
     path, model = hf_qwen3_dir
     cfg, params = load_hf(path)
-    assert (cfg.arch, cfg.tie_embeddings, cfg.rope_theta, cfg.norm_eps) == (
-        "qwen3", True, 1e6, 1e-6)
+    assert (cfg.arch, cfg.tie_embeddings, cfg.rope_theta, cfg.norm_eps, cfg.head_dim) == (
+        "qwen3", True, 1e6, 1e-6, 32)  # config.json's head_dim, not hidden_size / heads = 16
     assert "lm_head" not in params and "q_norm" in params["layers"][0]
     assert_params_equal(params, torch_to_ours(model, cfg))
 

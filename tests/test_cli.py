@@ -1,0 +1,125 @@
+"""The ``specjax`` command line, run in-process: help text, greedy generation on a tiny local HF
+checkpoint (plain and speculative print the same text as a torch greedy loop), and clear errors."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+
+import pytest
+
+from specjax import cli
+
+PROMPT = "w7 w8 w9 w7 w8 w9 w7 w8"
+SPECIALS = ["<unk>", "<|im_start|>", "<|im_end|>", "user", "assistant", "system"]
+
+
+@pytest.fixture(scope="module")
+def cli_model(hf_llama_dir, tmp_path_factory):
+    """(path, torch model): the tiny HF Llama plus a 256-token word-level tokenizer.json whose
+    ChatML tokens let the default chat-template path run; every model id decodes to a word."""
+    from tokenizers import AddedToken
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import models, pre_tokenizers
+
+    src, torch_model = hf_llama_dir
+    path = tmp_path_factory.mktemp("cli") / "model"
+    shutil.copytree(src, path)
+    vocab = {t: i for i, t in enumerate(SPECIALS)}
+    vocab.update({f"w{i}": i for i in range(len(SPECIALS), 256)})
+    tok = HFTokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                            for t in ("<|im_start|>", "<|im_end|>")])
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>"}))
+    return path, torch_model
+
+
+def _run(capsys, *argv):
+    """(return code, stdout, stderr) of ``specjax <argv>``."""
+    rc = cli.main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def _torch_greedy(model, ids, max_new_tokens, eos_ids):
+    """Greedy continuation of ``ids`` by the torch model, without the stop token."""
+    import torch
+
+    ids, new = list(ids), []
+    with torch.no_grad():
+        for _ in range(max_new_tokens):
+            t = int(model(torch.tensor([ids])).logits[0, -1].argmax())
+            if t in eos_ids:
+                break
+            ids.append(t)
+            new.append(t)
+    return new
+
+
+def test_generate_help_lists_options(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["generate", "--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    for option in ("--model", "--prompt", "--raw", "--max-new-tokens", "--temperature",
+                   "--method", "--draft-len", "--draft-layers"):
+        assert option in out
+    for method in ("plain", "ngram", "draft-model"):
+        assert method in out
+
+
+def test_greedy_text_same_for_every_method(cli_model, capsys):
+    from specjax.io import load
+
+    path, torch_model = cli_model
+    tok = load(path).tokenizer
+    prompt_ids = tok.encode_chat([{"role": "user", "content": PROMPT}])
+    want = tok.decode(_torch_greedy(torch_model, prompt_ids, 8, tok.eos_ids))
+    texts = {}
+    for method in ("plain", "ngram", "draft-model"):
+        rc, out, err = _run(capsys, "generate", "--model", str(path), "--prompt", PROMPT,
+                            "--max-new-tokens", "8", "--method", method, "--draft-layers", "1")
+        assert rc == 0, err
+        assert re.search(r"\d+ tokens in [\d.]+ s = [\d.]+ tok/s", err), err
+        if method != "plain":
+            assert re.search(rf"\[{method}: \d+ verify cycles, tau = [\d.]+", err), err
+        texts[method] = out
+    assert want and texts["plain"] == want + "\n"
+    assert texts["ngram"] == texts["plain"] and texts["draft-model"] == texts["plain"]
+
+
+def test_raw_prompt_batch_prints_each_row(cli_model, capsys):
+    path, _ = cli_model
+    rc, out, err = _run(capsys, "generate", "--model", str(path), "--raw", "--prompt", PROMPT,
+                        "--prompt", "w9", "--max-new-tokens", "4", "--method", "ngram")
+    assert rc == 0, err
+    assert out.startswith("--- [0]\n") and "\n--- [1]\n" in out
+
+
+def test_unknown_model_name_is_an_error(capsys):
+    rc, out, err = _run(capsys, "generate", "--model", "no-such-model", "--prompt", "hi")
+    assert rc != 0 and out == ""
+    assert "unknown model 'no-such-model'" in err and "smollm2-135m" in err
+
+
+def test_unknown_method_is_a_usage_error(cli_model, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["generate", "--model", str(cli_model[0]), "--prompt", "hi",
+                  "--method", "medusa"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "--method" in err and "'medusa'" in err
+
+
+def test_draft_layers_must_be_fewer_than_the_target_has(cli_model, capsys):
+    rc, _, err = _run(capsys, "generate", "--model", str(cli_model[0]), "--prompt", PROMPT,
+                      "--method", "draft-model", "--max-new-tokens", "4")  # default 4 > 2 layers
+    assert rc == 2 and "draft layers must be in [1, 2), got 4" in err
+
+
+def test_model_without_tokenizer_is_an_error(hf_qwen3_dir, capsys):
+    rc, _, err = _run(capsys, "generate", "--model", str(hf_qwen3_dir[0]), "--prompt", "hi")
+    assert rc == 2 and "has no tokenizer files" in err
