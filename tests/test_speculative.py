@@ -447,3 +447,48 @@ def test_the_tree_law_test_has_power_against_a_lying_drafter():
     samples = np.concatenate([_sample_foreign(drafter, Q_TABLE, 1.0, 0, 1.0, ROWS, seed)
                               for seed in range(4)])
     assert _chi_square_p(samples, law) < 1e-3
+
+
+# ----------------------------------------------------------------------------------------------
+# The draft-model drafter's real q, end to end, on a transformer target small enough for an
+# exact law: vocabulary 8, the law of the first three tokens computed from all 8^2 prefixes.
+
+TINY8 = ModelConfig(arch="llama", vocab_size=V_SMALL, d_model=16, n_layers=3, n_heads=2,
+                    n_kv_heads=1, head_dim=8, d_ff=24)
+PARAMS8 = target.init_params(TINY8, 3, scale=0.6)
+PROMPT8 = [3, 5]
+
+
+def _exact_transformer_law(temperature, top_k, top_p):
+    """Law of the first 3 tokens after PROMPT8 under plain sampling of the TINY8 target."""
+    prefixes = np.array(list(itertools.product(range(V_SMALL), repeat=2)))  # [64, 2]
+    seqs = np.concatenate([np.tile(PROMPT8, (len(prefixes), 1)), prefixes], axis=1)
+    logits, _, _ = target.forward(PARAMS8, TINY8, jnp.asarray(seqs),
+                                  jnp.broadcast_to(jnp.arange(seqs.shape[1]), seqs.shape),
+                                  cache_lib.init_cache(TINY8, len(seqs), seqs.shape[1]))
+    sp = sampling.SamplingParams.make(len(seqs), temperature, top_k, top_p)
+    cond = np.exp(np.asarray(sampling.log_probs(logits, sp), np.float64))  # [64, 4, V]
+    cond /= cond.sum(-1, keepdims=True)
+    law = {}
+    for i, (a, b) in enumerate(prefixes):
+        for c in range(V_SMALL):
+            law[a, b, c] = cond[i, 1, a] * cond[i, 2, b] * cond[i, 3, c]
+    return law
+
+
+@pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, 0, 1.0), (0.7, 5, 0.9)])
+def test_draft_model_in_the_loop_preserves_the_target_law(temperature, top_k, top_p):
+    """A one-layer self-draft of a three-layer transformer, drafting chains of 3 with its real
+    q, samples the exact law of plain sampling: chi-square on 200k samples, alpha = 0.001."""
+    drafter, dp = DraftModelDrafter.from_target_layers(TINY8, PARAMS8, 1, draft_len=3)
+    sp = sampling.SamplingParams.make(ROWS, temperature, top_k, top_p)
+    prompt = jnp.tile(jnp.asarray(PROMPT8, jnp.int32), (ROWS, 1))
+    samples = []
+    for seed in range(4):
+        out = decode.speculative_generate(
+            PARAMS8, dp, prompt, jnp.full((ROWS,), 2, jnp.int32), sp, jax.random.key(seed),
+            target=DecoderTarget(TINY8), drafter=drafter, max_new_tokens=3, capacity=16)
+        samples.append(np.asarray(out.tokens))
+        assert int(out.stats.accepted.sum()) > ROWS // 4  # the drafts do get accepted
+    assert _chi_square_p(np.concatenate(samples), _exact_transformer_law(temperature, top_k,
+                                                                         top_p)) > 1e-3
