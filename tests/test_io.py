@@ -19,6 +19,7 @@ from specjax.config import ModelConfig, RopeScaling
 from specjax.io import Tokenizer, check_params, config_from_hf, load, load_gguf, load_hf
 from specjax.io import gguf as gguf_io
 from specjax.io.checks import param_shapes
+from specjax.io.layout import ROW_WEIGHTS, with_row_weights
 
 # ------------------------------------------------------------------------------------ helpers
 
@@ -572,9 +573,11 @@ def test_cache_dir_resolution(monkeypatch, tmp_path):
 
 def test_load_gguf_through_load(tiny_gguf, cache_dir):
     path, want_cfg, want = tiny_gguf
-    loaded = load(path)
+    loaded = load(path, row_weights=False)
     assert loaded.cfg == want_cfg and loaded.tokenizer.vocab_size == want_cfg.vocab_size
     assert_params_equal(loaded.params, want)
+    # On the CPU backend a float32 load adds the one-row copies by default.
+    assert_params_equal(load(path).params, with_row_weights(want))
 
 
 def test_load_gguf_missing_tensor(tmp_path, cache_dir):
@@ -729,8 +732,11 @@ def test_smollm2_config(smollm2):
         head_dim=64, d_ff=1536, rope_theta=100000.0, rope_scaling=None, norm_eps=1e-5,
         tie_embeddings=True, dtype="float32", max_position_embeddings=8192)
     check_params(smollm2.params, smollm2.cfg)
-    n_params = sum(x.size for x in jax.tree.leaves(smollm2.params))
-    assert n_params == 134_515_008  # 134.5M, tied head counted once
+    layers = smollm2.params["layers"]
+    assert all(f"{k}_t" in p for p in layers for k in ROW_WEIGHTS)  # float32 on CPU
+    n_params = sum(x.size for x in jax.tree.leaves(smollm2.params)) - sum(
+        p[f"{k}_t"].size for p in layers for k in ROW_WEIGHTS)
+    assert n_params == 134_515_008  # 134.5M, tied head counted once, one-row copies not
 
 
 @pytest.mark.slow

@@ -10,6 +10,8 @@ import numpy as np
 import pytest
 
 from specjax.config import ModelConfig
+from specjax.io.checks import check_params
+from specjax.io.layout import with_row_weights
 from specjax.models import cache as cache_lib
 from specjax.models import target
 
@@ -62,8 +64,11 @@ def test_prefill_logits_and_taps_match_hf(hf_model):
                                ref_hidden[cfg.n_layers], atol=TOL, rtol=0)
 
 
-def test_cached_step_by_step_decoding_matches_hf(hf_model):
+@pytest.mark.parametrize("row_weights", [False, True], ids=["in-out", "row-weights"])
+def test_cached_step_by_step_decoding_matches_hf(hf_model, row_weights):
     cfg, params, torch_model = hf_model
+    if row_weights:  # one-token steps multiply by the [out, in] copies
+        params = with_row_weights(params)
     # Longer than original_max_position_embeddings / low_freq_factor of the Llama fixture, so
     # the llama3-scaled frequencies matter.
     tokens = np.random.default_rng(1).integers(0, cfg.vocab_size, (1, 80))
@@ -198,3 +203,24 @@ def test_taps_validate_layer_ids():
     with pytest.raises(ValueError, match="tap layer 3"):
         forward(params, TINY, jnp.zeros((1, 1), jnp.int32), jnp.zeros((1, 1), jnp.int32),
                        cache_lib.init_cache(TINY, 1, 4), taps=(3,))
+
+
+@pytest.mark.parametrize("tie", [True, False], ids=["tied-head", "untied-head"])
+def test_row_weights_change_one_row_passes_only_by_summation_order(tie):
+    """One-row passes use the [out, in] copies (close to the [in, out] product, not equal);
+    passes of several rows never touch them (bitwise equal); check_params accepts them."""
+    cfg = TINY.replace(tie_embeddings=tie)
+    params = target.init_params(cfg, 0, scale=0.3)
+    rows = with_row_weights(params)
+    check_params(rows, cfg)
+    assert ("lm_head_t" in rows) == (not tie)
+    tokens = jax.random.randint(jax.random.key(2), (2, 5), 0, cfg.vocab_size)
+    cache = cache_lib.init_cache(cfg, 2, 8)
+    several = [forward(p, cfg, tokens, _positions(2, 5), cache)[0] for p in (params, rows)]
+    np.testing.assert_array_equal(several[0], several[1])
+    one = [forward(p, cfg, tokens[:1, :1], _positions(1, 1), cache_lib.init_cache(cfg, 1, 8))[0]
+           for p in (params, rows)]
+    np.testing.assert_allclose(one[0], one[1], atol=1e-5, rtol=0)
+    first = dict(rows["layers"][0], w_gate_up_t=rows["layers"][0]["w_gate_up"])  # untransposed
+    with pytest.raises(ValueError, match="layers.0.w_gate_up_t has shape"):
+        check_params(dict(rows, layers=(first,) + rows["layers"][1:]), cfg)

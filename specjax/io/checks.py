@@ -12,6 +12,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from specjax.config import ModelConfig
+from specjax.io.layout import ROW_WEIGHTS
 
 _QK_NORM_KEYS = ("q_norm", "k_norm")
 
@@ -92,7 +93,8 @@ def unflatten_params(flat: Mapping[str, Any], n_layers: int) -> dict[str, Any]:
 def check_params(params: Mapping[str, Any], cfg: ModelConfig) -> None:
     """Raise ValueError unless ``params`` has exactly the tensors, shapes and dtype of ``cfg``.
 
-    Leaves only need ``.shape`` and ``.dtype``, so ``jax.ShapeDtypeStruct`` trees pass too.
+    Leaves only need ``.shape`` and ``.dtype``, so ``jax.ShapeDtypeStruct`` trees pass too. The
+    one-row copies of :func:`specjax.io.layout.with_row_weights` may be present.
     Messages name the tensor, e.g. ``"layers.3.wqkv has shape (64, 100), expected (64, 128)"``.
     """
     if isinstance(params, Mapping) and isinstance(params.get("layers"), tuple):
@@ -103,6 +105,11 @@ def check_params(params: Mapping[str, Any], cfg: ModelConfig) -> None:
             )
     flat = flatten_params(params)
     expected = param_shapes(cfg)
+    # Optional one-row copies (layout.with_row_weights): [out, in] of their matrix, checked
+    # like the matrix itself when present.
+    expected.update({f"{name}_t": shape[::-1] for name, shape in list(expected.items())
+                     if f"{name}_t" in flat
+                     and name.rsplit(".", 1)[-1] in ROW_WEIGHTS + ("lm_head",)})
     for name, shape in expected.items():
         if name not in flat:
             raise ValueError(f"missing tensor {name} (expected shape {shape})")

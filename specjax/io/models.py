@@ -16,9 +16,12 @@ import dataclasses
 import importlib.metadata
 from pathlib import Path
 
+import jax
+
 from specjax.config import ModelConfig
 from specjax.io.gguf import load_gguf_with_tokenizer
 from specjax.io.hf import load_hf
+from specjax.io.layout import with_row_weights
 from specjax.io.tokenizer import Tokenizer
 
 
@@ -51,7 +54,8 @@ class LoadedModel:
 
     Attributes:
       cfg: its configuration (``cfg.dtype`` as requested).
-      params: the params pytree (layout in ``specjax.models.target``).
+      params: the params pytree (layout in ``specjax.models.target``; with the one-row copies
+        of :mod:`specjax.io.layout` when loaded with ``row_weights``).
       tokenizer: its tokenizer, or None for an HF directory without tokenizer files.
     """
 
@@ -102,12 +106,16 @@ def _hf_tokenizer(path: Path) -> Tokenizer | None:
     return None
 
 
-def load(name_or_path: str | Path, dtype: str = "float32") -> LoadedModel:
+def load(name_or_path: str | Path, dtype: str = "float32",
+         row_weights: bool | None = None) -> LoadedModel:
     """Load a model by name or path (see the module docstring).
 
     Args:
       name_or_path: a name in :data:`KNOWN_MODELS`, an HF checkpoint directory, or a ``.gguf``.
       dtype: ``"float32"`` or ``"bfloat16"``.
+      row_weights: add the one-row weight copies (:mod:`specjax.io.layout`) that make float32
+        plain decoding faster on XLA:CPU, at the cost of a second copy of every layer matrix;
+        None (the default) adds them for float32 on the CPU backend only.
 
     Raises:
       ValueError: unknown name or unusable path; a tokenizer with more tokens than the model's
@@ -125,4 +133,9 @@ def load(name_or_path: str | Path, dtype: str = "float32") -> LoadedModel:
             f"tokenizer of {path} has {tokenizer.vocab_size} tokens but the model's embedding "
             f"has only {cfg.vocab_size} rows (vocab_size)"
         )
+    if row_weights is None:
+        # A bfloat16 decoding step feeds two rows (specjax.decode.generate), never one.
+        row_weights = cfg.dtype == "float32" and jax.default_backend() == "cpu"
+    if row_weights:
+        params = with_row_weights(params)
     return LoadedModel(cfg, params, tokenizer)

@@ -21,6 +21,15 @@ Layers are a tuple of per-layer dicts, not stacked arrays under ``lax.scan``: st
 5-7x slower for decoding on XLA:CPU, and unrolling only costs compile time. q/k/v and gate/up
 are fused into one matrix each, so a decode step issues fewer, larger matrix products.
 
+**One-row weights.** A layer may also carry ``"wqkv_t"``, ``"wo_t"``, ``"w_gate_up_t"`` and
+``"w_down_t"`` (and the params an untied ``"lm_head_t"``): the same matrices stored
+``[out, in]``. A pass with exactly one query row (``B * T == 1``, a plain decoding step) then
+multiplies by those: XLA:CPU's matrix-vector product streams ``[out, in]`` weights about 20%
+faster than ``[in, out]`` ones, while with two or more rows ``[in, out]`` is faster (measured
+side by side, see the README's performance notes). :func:`specjax.io.layout.with_row_weights`
+adds them (``specjax.io.load`` does on CPU); the result differs from the ``[in, out]`` product
+only by summation order.
+
 **Masks.** Every call writes its T new tokens at slots ``[lengths, lengths + T)`` of each row's
 cache. A query sees (a) all committed slots ``< lengths[b]`` and (b) among the new tokens, those
 marked in ``mask[b, t, :]``. ``mask=None`` means causal (token t sees new tokens 0..t), which
@@ -107,9 +116,13 @@ def visible_slots(lengths: jax.Array, capacity: int, mask: jax.Array | None, t: 
     return committed | new
 
 
-def _matmul(x: jax.Array, w: jax.Array) -> jax.Array:
-    """x [B, T, in] @ w [in, out], accumulated in float32, returned in ``x.dtype``."""
-    return jnp.einsum("bti,io->bto", x, w, preferred_element_type=jnp.float32).astype(x.dtype)
+def _matmul(x: jax.Array, p: dict, key: str) -> jax.Array:
+    """x [B, T, in] @ p[key] [in, out], accumulated in float32, returned in ``x.dtype``; a
+    single row uses the ``[out, in]`` copy ``p[key + "_t"]`` when there is one."""
+    if x.shape[0] * x.shape[1] == 1 and f"{key}_t" in p:
+        return jnp.einsum("bti,oi->bto", x, p[f"{key}_t"],
+                          preferred_element_type=jnp.float32).astype(x.dtype)
+    return jnp.einsum("bti,io->bto", x, p[key], preferred_element_type=jnp.float32).astype(x.dtype)
 
 
 def _kv_rows(x: jax.Array) -> jax.Array:
@@ -121,7 +134,7 @@ def _kv_rows(x: jax.Array) -> jax.Array:
 def _layer(cfg: ModelConfig, p: dict, x, cos, sin, k_buf, v_buf, lengths, visible):
     b, t, _ = x.shape
     n, kh, h, g = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.q_per_kv
-    qkv = _matmul(rms_norm(x, p["attn_norm"], cfg.norm_eps), p["wqkv"])
+    qkv = _matmul(rms_norm(x, p["attn_norm"], cfg.norm_eps), p, "wqkv")
     q = qkv[..., : n * h].reshape(b, t, n, h)
     k = qkv[..., n * h: (n + kh) * h].reshape(b, t, kh, h)
     v = qkv[..., (n + kh) * h:].reshape(b, t, kh, h)
@@ -137,10 +150,10 @@ def _layer(cfg: ModelConfig, p: dict, x, cos, sin, k_buf, v_buf, lengths, visibl
     q = q.reshape(b, t, kh, g, h).transpose(0, 2, 3, 1, 4).reshape(b * kh, g * t, h)
     out = attention(q, cache_lib.from_storage(k_buf, cfg), cache_lib.from_storage(v_buf, cfg), visible)
     out = out.reshape(b, kh, g, t, h).transpose(0, 3, 1, 2, 4).reshape(b, t, n * h)
-    x = x + _matmul(out, p["wo"])
-    gate_up = _matmul(rms_norm(x, p["mlp_norm"], cfg.norm_eps), p["w_gate_up"])
+    x = x + _matmul(out, p, "wo")
+    gate_up = _matmul(rms_norm(x, p["mlp_norm"], cfg.norm_eps), p, "w_gate_up")
     gate, up = gate_up[..., : cfg.d_ff], gate_up[..., cfg.d_ff:]
-    x = x + _matmul(jax.nn.silu(gate) * up, p["w_down"])
+    x = x + _matmul(jax.nn.silu(gate) * up, p, "w_down")
     return x, k_buf, v_buf
 
 
@@ -194,9 +207,16 @@ def forward_hidden(
 
 
 def lm_head(params: dict, cfg: ModelConfig, hidden: jax.Array) -> jax.Array:
-    """Float32 logits [..., V] from final hidden states [..., D]."""
+    """Float32 logits [..., V] from final hidden states [..., D].
+
+    A tied head multiplies by ``embed`` [V, D]; an untied one by ``lm_head`` [D, V], or by
+    its one-row copy ``lm_head_t`` [V, D] for a single row.
+    """
     if cfg.tie_embeddings:
         return jnp.einsum("...d,vd->...v", hidden, params["embed"], preferred_element_type=jnp.float32)
+    if np.prod(hidden.shape[:-1]) == 1 and "lm_head_t" in params:
+        return jnp.einsum("...d,vd->...v", hidden, params["lm_head_t"],
+                          preferred_element_type=jnp.float32)
     return jnp.einsum("...d,dv->...v", hidden, params["lm_head"], preferred_element_type=jnp.float32)
 
 
