@@ -10,6 +10,8 @@ Run::
 Engines (an engine whose package is missing is skipped with a printed note):
 
 * ``specjax``: :func:`specjax.api.generate_tokens`, one jitted call per request.
+* ``specjax-in-out`` (not run by default): the same without the one-row weight copies of
+  :mod:`specjax.io.layout`, to measure what they buy side by side.
 * ``hf``: HF transformers ``LlamaForCausalLM.generate`` in float32 (needs ``torch`` and
   ``transformers``, the ``test`` extra), built from the very same params.
 * ``llamacpp``: llama.cpp through ``llama-cpp-python`` (the ``llamacpp`` extra; it compiles from
@@ -68,9 +70,11 @@ import numpy as np
 
 from specjax import api
 from specjax.config import ModelConfig
+from specjax.io.layout import without_row_weights
 
 MODEL = "smollm2-135m"
-ENGINES = ("specjax", "hf", "llamacpp")
+ENGINES = ("specjax", "specjax-in-out", "hf", "llamacpp")
+DEFAULT_ENGINES = ("specjax", "hf", "llamacpp")
 DEFAULT_PROMPTS = (
     "Write a Python function that returns the sum of a list.",
     "Explain why the sky is blue.",
@@ -452,7 +456,7 @@ def _first_mismatch(a: Sequence[int], b: Sequence[int]) -> int | None:
 
 
 def run_plain_benchmark(prompts: list[str], max_new_tokens: int = 128,
-                        engines: Sequence[str] = ENGINES, repeats: int = 2,
+                        engines: Sequence[str] = DEFAULT_ENGINES, repeats: int = 2,
                         threads: int = 2, log: Callable[[str], None] = print) -> dict:
     """Runs the protocol of the module docstring and returns its results.
 
@@ -503,6 +507,8 @@ def run_plain_benchmark(prompts: list[str], max_new_tokens: int = 128,
         try:
             if name == "specjax":
                 built[name] = SpecjaxEngine(cfg, params, cache_size)
+            elif name == "specjax-in-out":  # without the one-row weights: what they buy
+                built[name] = SpecjaxEngine(cfg, without_row_weights(params), cache_size)
             elif name == "hf":
                 built[name] = HFEngine(cfg, params, threads)
             else:
@@ -596,15 +602,15 @@ def format_table(result: dict) -> str:
     def ratio(x, base):
         return f"{x / base:.2f}x" if base else "-"
 
-    head = (f"{'engine':<10} {'decode tok/s':>12} {'ms/token':>9} {'prefill ms':>10} "
+    head = (f"{'engine':<14} {'decode tok/s':>12} {'ms/token':>9} {'prefill ms':>10} "
             f"{'e2e tok/s':>9} {'vs HF':>7} {'vs llama.cpp':>12} {'% roofline':>10}")
     lines = [head, "-" * len(head)]
     for name, r in engines.items():
-        lines.append(f"{name:<10} {r['decode_tok_s']:>12.1f} {r['ms_per_token']:>9.1f} "
+        lines.append(f"{name:<14} {r['decode_tok_s']:>12.1f} {r['ms_per_token']:>9.1f} "
                      f"{r['prefill_ms']:>10.1f} {r['e2e_tok_s']:>9.1f} "
                      f"{ratio(r['decode_tok_s'], hf):>7} {ratio(r['decode_tok_s'], lc):>12} "
                      f"{100 * r['roofline_fraction']:>9.1f}%")
-    lines.append(f"{'roofline':<10} {result['roofline_tok_s']:>12.1f} "
+    lines.append(f"{'roofline':<14} {result['roofline_tok_s']:>12.1f} "
                  f"{1000 / result['roofline_tok_s']:>9.1f}   "
                  f"({result['bandwidth_bytes_s'] / 1e9:.1f} GB/s measured / "
                  f"{result['weight_bytes'] / 1e6:.1f} MB of weights per token)")
@@ -641,7 +647,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--prompt-file", default=None,
                         help=f"JSONL of prompts (fields tried: {', '.join(PROMPT_FIELDS)}); "
                              "default: built-in chat prompts")
-    parser.add_argument("--engines", default=",".join(ENGINES),
+    parser.add_argument("--engines", default=",".join(DEFAULT_ENGINES),
                         help="comma-separated subset of " + ",".join(ENGINES))
     parser.add_argument("--repeats", type=int, default=2, help="timed rounds (best kept)")
     parser.add_argument("--threads", type=int, default=2, help="torch and llama.cpp threads")

@@ -11,7 +11,7 @@ import pytest
 
 from specjax.config import ModelConfig
 from specjax.io.checks import check_params
-from specjax.io.layout import with_row_weights
+from specjax.io.layout import with_row_weights, without_row_weights
 from specjax.models import cache as cache_lib
 from specjax.models import target
 
@@ -214,6 +214,7 @@ def test_row_weights_change_one_row_passes_only_by_summation_order(tie):
     rows = with_row_weights(params)
     check_params(rows, cfg)
     assert ("lm_head_t" in rows) == (not tie)
+    assert jax.tree.structure(without_row_weights(rows)) == jax.tree.structure(params)
     tokens = jax.random.randint(jax.random.key(2), (2, 5), 0, cfg.vocab_size)
     cache = cache_lib.init_cache(cfg, 2, 8)
     several = [forward(p, cfg, tokens, _positions(2, 5), cache)[0] for p in (params, rows)]

@@ -26,3 +26,9 @@ def with_row_weights(params: dict) -> dict:
     if "lm_head" in params:
         out["lm_head_t"] = jnp.asarray(params["lm_head"].T)
     return out
+
+
+def without_row_weights(params: dict) -> dict:
+    """``params`` without the one-row copies (the inverse of :func:`with_row_weights`)."""
+    layers = tuple({k: v for k, v in p.items() if not k.endswith("_t")} for p in params["layers"])
+    return {k: v for k, v in params.items() if k != "lm_head_t"} | {"layers": layers}
