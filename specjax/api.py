@@ -18,6 +18,7 @@ import numpy as np
 
 from specjax import decode, sampling
 from specjax.config import ModelConfig
+from specjax.models import target
 from specjax.targets import DecoderTarget
 
 PROMPT_BUCKET = 32
@@ -145,7 +146,7 @@ def generate_tokens(
                          f"{max_new_tokens} exceeds the model's context of "
                          f"{cfg.max_position_embeddings} positions")
     # Scratch past the committed tokens: a verify pass's nodes, or a bf16 step's second row.
-    extra = decode.PLAIN_BF16_ROWS - 1 if drafter is None else drafter.n_nodes
+    extra = target.step_tokens(cfg) - 1 if drafter is None else drafter.n_nodes
     # The prefill writes the whole padded width, so the cache must hold it too.
     capacity = cache_size or round_up(max(need + extra, tokens.shape[1]), CACHE_MULTIPLE)
     decode.check_capacity(int(lengths.max()), max_new_tokens, capacity, extra)

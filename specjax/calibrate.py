@@ -51,7 +51,7 @@ class VerifyCosts:
     @property
     def fastest_plain_step(self) -> float:
         """The cheapest way to decode one token: min over passes of 1 or 2 rows (a bf16 plain
-        step runs two rows, ``decode.PLAIN_BF16_ROWS``)."""
+        step runs two rows, ``models.target.step_tokens``)."""
         return min(self.at(1), self.at(2)) if 2 in self.nodes else self.at(1)
 
 

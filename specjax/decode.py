@@ -28,9 +28,6 @@ from specjax.models import cache as cache_lib
 from specjax.models import target as decoder
 
 
-PLAIN_BF16_ROWS = 2  # query rows of a bfloat16 plain decoding step (see generate)
-
-
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Generation:
@@ -132,10 +129,7 @@ def generate(
     def cond(s: PlainState):
         return (s.step < max_new_tokens) & ~jnp.all(s.done)
 
-    # XLA:CPU's one-row bfloat16 matrix-vector products run ~5x slower than two-row ones, so a
-    # bf16 step feeds the token twice; the copy's key/value lands in a scratch slot past the
-    # committed length (overwritten next step) and its logits are dropped.
-    rows = PLAIN_BF16_ROWS if cfg.dtype == "bfloat16" else 1
+    rows = decoder.step_tokens(cfg)  # 2 in bfloat16: the copy's key/value is scratch
 
     def body(s: PlainState):
         positions = s.cache.lengths[:, None] + jnp.arange(rows)[None, :]
@@ -342,8 +336,26 @@ def speculative_generate(
             anc = tree_lib.ancestor_mask(proposal.parents)  # [B, N, N]
             depth = jnp.sum(anc, axis=-1, dtype=jnp.int32) - 1
         positions = (s.seq_len - 1)[:, None] + depth  # the root sits at committed length
-        t_logits, t_taps, cache = target.forward(params, tokens, positions, s.cache, anc,
-                                                 drafter.taps)
+        m = min(n, getattr(target, "step_tokens", 1))
+        if m < n and hasattr(target, "forward_fresh"):
+            # A cycle in which no running row has a draft (prompt lookup found nothing, say)
+            # scores just the first m nodes: a plain step's cost instead of an N-node pass.
+            # The cache is only read inside the cond and written after it; written inside,
+            # XLA would copy every layer's cache on every cycle.
+            def score(width):
+                return target.forward_fresh(params, tokens[:, :width], positions[:, :width],
+                                            s.cache, anc[:, :width, :width], drafter.taps)
+
+            def roots_only():  # padded back to N nodes; the padding nodes are invalid
+                return jax.tree.map(
+                    lambda x: jnp.pad(x, [(0, 0), (0, n - m)] + [(0, 0)] * (x.ndim - 2)), score(m))
+
+            any_draft = jnp.any(running[:, None] & node_valid[:, 1:])
+            t_logits, t_taps, fresh = jax.lax.cond(any_draft, lambda: score(n), roots_only)
+            cache = target.write_fresh(s.cache, fresh)
+        else:
+            t_logits, t_taps, cache = target.forward(params, tokens, positions, s.cache, anc,
+                                                     drafter.taps)
         res = verify_lib.verify(t_logits, tokens, proposal.parents, node_valid, sp, verify_key,
                                 max_depth=depth_max, draft_logits=draft_logits)
         emitted, count = verify_lib.emitted_tokens(res, tokens)  # [B, D + 1], [B]

@@ -37,7 +37,7 @@ def test_greedy_equals_uncached_reference():
 
 
 def test_bfloat16_greedy_equals_its_uncached_reference():
-    """The bf16 step feeds two rows (decode.PLAIN_BF16_ROWS); the second must not leak."""
+    """The bf16 step feeds two rows (target.step_tokens); the second must not leak."""
     cfg = TINY.replace(dtype="bfloat16")
     params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), PARAMS)
     got = api.generate_tokens(cfg, params, [PROMPTS[1]], max_new_tokens=10)
@@ -114,7 +114,7 @@ def test_one_compile_per_shape_across_prompts():
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(prompts=[[1] * 70], max_new_tokens=10, cache_size=64), "needs 81 cache slots"),
+    (dict(prompts=[[1] * 70], max_new_tokens=10, cache_size=64), "needs 80 cache slots"),
     (dict(prompts=[[1, 2, 99]], max_new_tokens=4), "outside \\[0, 61\\)"),
     (dict(prompts=[[]], max_new_tokens=4), "prompt 0 is empty"),
     (dict(prompts=[[1]], max_new_tokens=4, temperature=-1.0), "temperature"),

@@ -225,3 +225,32 @@ def test_row_weights_change_one_row_passes_only_by_summation_order(tie):
     first = dict(rows["layers"][0], w_gate_up_t=rows["layers"][0]["w_gate_up"])  # untransposed
     with pytest.raises(ValueError, match="layers.0.w_gate_up_t has shape"):
         check_params(dict(rows, layers=(first,) + rows["layers"][1:]), cfg)
+
+
+@pytest.mark.parametrize("tree", [False, True], ids=["causal", "tree"])
+def test_forward_fresh_then_write_equals_forward(tree):
+    """The read-only pass attends to the cache and to its own tokens as a separate block; its
+    logits and taps match the writing pass up to summation order (relative 1e-5 on values
+    up to ~20 here), and writing what it returns gives the writing pass's cache."""
+    params = target.init_params(TINY, 0, scale=0.3)
+    cache = cache_lib.init_cache(TINY, 2, 16)
+    prompt = jax.random.randint(jax.random.key(3), (2, 5), 0, TINY.vocab_size)
+    _, _, cache = forward(params, TINY, prompt, _positions(2, 5), cache)
+    cache = cache_lib.advance(cache, jnp.array([5, 3]))  # ragged committed lengths
+    tokens = jax.random.randint(jax.random.key(4), (2, 4), 0, TINY.vocab_size)
+    mask = None
+    positions = cache.lengths[:, None] + jnp.arange(4)[None]
+    if tree:  # root, two children, a grandchild under the second child
+        anc = jnp.array([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], bool)
+        mask = jnp.broadcast_to(anc, (2, 4, 4))
+        positions = cache.lengths[:, None] + jnp.array([0, 1, 1, 2])[None]
+    want_logits, want_taps, want_cache = forward(params, TINY, tokens, positions, cache, mask,
+                                                 taps=(1, 2))
+    fresh_fn = jax.jit(target.forward_fresh, static_argnums=1, static_argnames="taps")
+    logits, taps, fresh = fresh_fn(params, TINY, tokens, positions, cache, mask, taps=(1, 2))
+    np.testing.assert_allclose(logits, want_logits, atol=1e-5, rtol=1e-5)  # float32 reassociation
+    np.testing.assert_allclose(taps, want_taps, atol=1e-5, rtol=1e-5)  # float32 reassociation
+    written = cache_lib.write(cache, fresh)
+    for got, want in zip(written.k + written.v, want_cache.k + want_cache.v):
+        np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)  # float32 reassociation
+    np.testing.assert_array_equal(written.lengths, cache.lengths)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -47,6 +48,7 @@ class OracleTreeDrafter:
     """
 
     static_tree: StaticTree
+    idle_every: int = 0  # when > 0, every idle_every-th cycle proposes nothing in any row
     taps: tuple[int, ...] = ()
 
     @property
@@ -58,9 +60,10 @@ class OracleTreeDrafter:
         return self.static_tree.max_depth
 
     def init(self, ref, prefill):
-        return prefill.prompt_len
+        return prefill.prompt_len, jnp.int32(0)  # and the cycle count
 
-    def propose(self, ref, prompt_len, ctx, rng):
+    def propose(self, ref, dstate, ctx, rng):
+        prompt_len, cycle = dstate
         parents = np.asarray(self.static_tree.parents)
         depth = np.asarray(self.static_tree.depth)
         n, dmax = parents.size, max(self.max_depth, 1)
@@ -83,11 +86,13 @@ class OracleTreeDrafter:
         right = jnp.take_along_axis(ref, idx, axis=1)
         wrong = (right + 1 + rank[None, :]) % TINY.vocab_size
         tokens = jnp.where(good, right, wrong).at[:, 0].set(ctx.root)
+        idle = self.idle_every > 0 and (cycle + 1) % max(self.idle_every, 1) == 0
+        valid = (jnp.arange(n) == 0) | ~idle
         return Proposal(tokens, jnp.broadcast_to(jnp.asarray(parents, jnp.int32), (b, n)),
-                        jnp.ones((b, n), bool)), prompt_len
+                        jnp.broadcast_to(valid, (b, n))), (prompt_len, cycle + 1)
 
-    def commit(self, ref, prompt_len, ctx, accepted):
-        return prompt_len
+    def commit(self, ref, dstate, ctx, accepted):
+        return dstate
 
 
 def _drafters(budget, ref):
@@ -165,6 +170,41 @@ def test_drafts_are_actually_accepted():
         max_new_tokens=40, capacity=64)
     cycles, accepted = int(out.stats.cycles[0]), int(out.stats.accepted[0])
     assert (accepted + cycles) / cycles > 2.5
+
+
+def test_cycles_without_drafts_score_only_the_roots():
+    """Every third cycle no row drafts, so the loop scores only the roots (a one-token pass,
+    padded back to the tree); the deep cycles around those stay exact."""
+    plain = api.generate_tokens(TINY, PARAMS, PROMPTS, max_new_tokens=20)
+    ref = _ref_array(plain)
+    drafter = OracleTreeDrafter(StaticTree.kary(2, 6).truncate(16), idle_every=3)
+    got = api.generate_tokens(TINY, PARAMS, PROMPTS, max_new_tokens=20, drafter=drafter,
+                              drafter_params=ref)
+    for row, prompt in enumerate(PROMPTS):
+        _assert_same_or_near_tie(prompt, got.tokens[row], plain.tokens[row])
+    # A third of the cycles accept nothing (the idle ones); the rest accept deep runs.
+    assert (got.stats.accept_hist[:, 0] >= got.stats.cycles // 3).all()
+    assert got.tau > 1.5
+
+
+def test_the_loop_updates_the_cache_in_place():
+    """No copy of a cache-sized buffer inside the compiled loop: the verify pass (inside a
+    lax.cond between a full and a roots-only pass) only reads the cache, and the write after
+    it, like the commit, is in place."""
+    cfg = TINY.replace(n_layers=3)
+    params = jax.eval_shape(lambda: target.init_params(cfg, 0))
+    for batch in (1, 2):
+        prompt, lengths = api.pad_prompts([[1, 2, 3, 1, 2], [4]][:batch])
+        hlo = jax.jit(lambda *a: decode.speculative_generate(
+            *a, target=DecoderTarget(cfg), drafter=NgramDrafter(draft_len=4), max_new_tokens=16,
+            capacity=256)).lower(params, None, prompt, lengths, sampling.SamplingParams.make(batch),
+                                 jax.random.key(0)).compile().as_text()
+        cache_shape = f"f32[{batch * cfg.n_kv_heads},256,{cfg.head_dim}]"
+        # Computations other than the entry (loop bodies, cond branches) must not copy caches.
+        inner = hlo[:hlo.index("ENTRY")] + hlo[hlo.index("ENTRY"):].split("\n}\n", 1)[1]
+        copies = [line for line in inner.splitlines()
+                  if re.search(r"\bcopy\(", line) and cache_shape in line.split("copy(")[0]]
+        assert copies == [], (batch, copies[:2])
 
 
 def test_max_new_tokens_and_stop_tokens_cut_accepted_runs():

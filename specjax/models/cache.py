@@ -105,6 +105,27 @@ def write_rows(buf: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
     return jax.vmap(lambda b, n, s: jax.lax.dynamic_update_slice(b, n, (s, 0)))(buf, new, row_start)
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Fresh:
+    """Keys and values of T new tokens that a pass computed but did not write.
+
+    Attributes:
+      k: tuple over layers of [B * K, T, H] arrays in the cache's storage dtype.
+      v: like ``k``.
+    """
+
+    k: tuple[jax.Array, ...]
+    v: tuple[jax.Array, ...]
+
+
+def write(cache: KVCache, fresh: Fresh) -> KVCache:
+    """Stores ``fresh`` at slots ``[lengths, lengths + T)`` of every row, lengths unchanged."""
+    return KVCache(k=tuple(write_rows(b, n, cache.lengths) for b, n in zip(cache.k, fresh.k)),
+                   v=tuple(write_rows(b, n, cache.lengths) for b, n in zip(cache.v, fresh.v)),
+                   lengths=cache.lengths)
+
+
 def advance(cache: KVCache, n: jax.Array) -> KVCache:
     """Commits the first ``n[b]`` freshly written slots of each row as they are."""
     return dataclasses.replace(cache, lengths=cache.lengths + n.astype(jnp.int32))

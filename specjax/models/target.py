@@ -35,6 +35,8 @@ cache. A query sees (a) all committed slots ``< lengths[b]`` and (b) among the n
 marked in ``mask[b, t, :]``. ``mask=None`` means causal (token t sees new tokens 0..t), which
 serves prefill and plain decoding; a tree or block verification passes its ancestor-or-self
 matrix, with positions ``lengths + depth``. Row ``t`` of ``mask`` must include ``t`` itself.
+:func:`forward_fresh` computes the same pass without writing: the new keys/values are attended
+as a separate block and returned, for the caller to write with ``cache.write``.
 
 **Taps.** ``taps=(i, ...)`` returns the residual stream after ``i`` decoder layers, for
 ``0 <= i <= L``: tap 0 is the token embedding and tap ``i < L`` equals HF
@@ -88,6 +90,16 @@ def init_params(cfg: ModelConfig, seed: int = 0, scale: float = 0.02) -> dict:
     return params
 
 
+def step_tokens(cfg: ModelConfig) -> int:
+    """The fewest query tokens a pass should carry to decode one token.
+
+    XLA:CPU's one-row bfloat16 matrix-vector products run several times slower than two-row
+    ones, so a bfloat16 step feeds its token twice (the copy's key/value lands in a scratch
+    slot past the committed length, its logits are dropped); float32 steps use one row.
+    """
+    return 2 if cfg.dtype == "bfloat16" else 1
+
+
 def visible_slots(lengths: jax.Array, capacity: int, mask: jax.Array | None, t: int) -> jax.Array:
     """Which cache slots each new query sees.
 
@@ -131,7 +143,16 @@ def _kv_rows(x: jax.Array) -> jax.Array:
     return x.transpose(0, 2, 1, 3).reshape(b * k, t, h)
 
 
-def _layer(cfg: ModelConfig, p: dict, x, cos, sin, k_buf, v_buf, lengths, visible):
+def _layer(cfg: ModelConfig, p: dict, x, cos, sin, k_buf, v_buf, lengths, visible,
+           visible_new=None):
+    """One decoder layer over T new tokens.
+
+    With ``visible_new`` None the new keys/values are written into the layer's cache rows and
+    attended there (``visible`` covers committed and new slots); returns ``(x, k_buf, v_buf)``.
+    Otherwise the cache is only read (``visible``: committed slots), the new keys/values are
+    attended as fresh keys (``visible_new`` [B * K, G * T, T]) and returned instead of the
+    rows: ``(x, k_new, v_new)``, each [B * K, T, H] in the cache's storage dtype.
+    """
     b, t, _ = x.shape
     n, kh, h, g = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.q_per_kv
     qkv = _matmul(rms_norm(x, p["attn_norm"], cfg.norm_eps), p, "wqkv")
@@ -144,17 +165,69 @@ def _layer(cfg: ModelConfig, p: dict, x, cos, sin, k_buf, v_buf, lengths, visibl
     q = apply_rope(q, cos, sin)
     k = apply_rope(k, cos, sin)
     # Cache rows are (batch, kv head) pairs: [B, T, K, H] -> [B * K, T, H].
-    k_buf = cache_lib.write_rows(k_buf, cache_lib.to_storage(_kv_rows(k), cfg), lengths)
-    v_buf = cache_lib.write_rows(v_buf, cache_lib.to_storage(_kv_rows(v), cfg), lengths)
+    k_new = cache_lib.to_storage(_kv_rows(k), cfg)
+    v_new = cache_lib.to_storage(_kv_rows(v), cfg)
     # Queries grouped under their kv head: [B, T, N, H] -> [B * K, G * T, H].
     q = q.reshape(b, t, kh, g, h).transpose(0, 2, 3, 1, 4).reshape(b * kh, g * t, h)
-    out = attention(q, cache_lib.from_storage(k_buf, cfg), cache_lib.from_storage(v_buf, cfg), visible)
+    if visible_new is None:
+        k_buf = cache_lib.write_rows(k_buf, k_new, lengths)
+        v_buf = cache_lib.write_rows(v_buf, v_new, lengths)
+        out = attention(q, cache_lib.from_storage(k_buf, cfg), cache_lib.from_storage(v_buf, cfg),
+                        visible)
+        k_out, v_out = k_buf, v_buf
+    else:
+        fresh = (cache_lib.from_storage(k_new, cfg), cache_lib.from_storage(v_new, cfg), visible_new)
+        out = attention(q, cache_lib.from_storage(k_buf, cfg), cache_lib.from_storage(v_buf, cfg),
+                        visible, fresh)
+        k_out, v_out = k_new, v_new
     out = out.reshape(b, kh, g, t, h).transpose(0, 3, 1, 2, 4).reshape(b, t, n * h)
     x = x + _matmul(out, p, "wo")
     gate_up = _matmul(rms_norm(x, p["mlp_norm"], cfg.norm_eps), p, "w_gate_up")
     gate, up = gate_up[..., : cfg.d_ff], gate_up[..., cfg.d_ff:]
     x = x + _matmul(jax.nn.silu(gate) * up, p, "w_down")
-    return x, k_buf, v_buf
+    return x, k_out, v_out
+
+
+def _per_kv_row(cfg: ModelConfig, m: jax.Array) -> jax.Array:
+    """[B, T, X] -> [B * K, G * T, X], one copy shared by all layers, in the attention's row
+    order (queries grouped under their kv head)."""
+    b, t, x = m.shape
+    return jnp.broadcast_to(m[:, None, None], (b, cfg.n_kv_heads, cfg.q_per_kv, t, x)).reshape(
+        b * cfg.n_kv_heads, cfg.q_per_kv * t, x)
+
+
+def _decoder(params, cfg, tokens, positions, cache, mask, taps, fresh):
+    """The layers of :func:`forward_hidden` (``fresh=False``) or :func:`forward_fresh`.
+
+    Returns ``(hidden [B, T, D], tap_states [B, T, n_taps, D], ks, vs)``: per layer the updated
+    cache rows, or (``fresh``) the new tokens' keys/values [B * K, T, H].
+    """
+    for i in taps:
+        if not 0 <= i <= cfg.n_layers:
+            raise ValueError(f"tap layer {i} is outside [0, {cfg.n_layers}]")
+    b, t = tokens.shape
+    x = params["embed"][tokens]
+    cos, sin = rope_tables(cfg, positions)
+    if fresh:
+        committed = jnp.arange(cache.capacity)[None, None, :] < cache.lengths[:, None, None]
+        visible = _per_kv_row(cfg, jnp.broadcast_to(committed, (b, t, cache.capacity)))
+        among = jnp.tril(jnp.ones((t, t), bool)) if mask is None else mask
+        visible_new = _per_kv_row(cfg, jnp.broadcast_to(among, (b, t, t)))
+    else:
+        visible = _per_kv_row(cfg, visible_slots(cache.lengths, cache.capacity, mask, t))
+        visible_new = None
+    collected = {0: x} if 0 in taps else {}
+    ks, vs = [], []
+    for i, p in enumerate(params["layers"]):
+        x, k_out, v_out = _layer(cfg, p, x, cos, sin, cache.k[i], cache.v[i], cache.lengths,
+                                 visible, visible_new)
+        ks.append(k_out)
+        vs.append(v_out)
+        if i + 1 in taps:
+            collected[i + 1] = x
+    tap_states = (jnp.stack([collected[i] for i in taps], axis=2) if taps
+                  else jnp.zeros((b, t, 0, cfg.d_model), x.dtype))
+    return rms_norm(x, params["final_norm"], cfg.norm_eps), tap_states, tuple(ks), tuple(vs)
 
 
 def forward_hidden(
@@ -182,28 +255,9 @@ def forward_hidden(
       tap_states: [B, T, len(taps), D] residual states at ``taps`` (T x 0 x D when none).
       cache: the cache with the new keys/values written, lengths unchanged.
     """
-    for i in taps:
-        if not 0 <= i <= cfg.n_layers:
-            raise ValueError(f"tap layer {i} is outside [0, {cfg.n_layers}]")
-    b, t = tokens.shape
-    x = params["embed"][tokens]
-    cos, sin = rope_tables(cfg, positions)
-    visible = visible_slots(cache.lengths, cache.capacity, mask, t)  # [B, T, S]
-    # One [B * K, G * T, S] copy shared by all layers, in the attention's row order.
-    visible = jnp.broadcast_to(visible[:, None, None], (b, cfg.n_kv_heads, cfg.q_per_kv, t, cache.capacity)
-                               ).reshape(b * cfg.n_kv_heads, cfg.q_per_kv * t, cache.capacity)
-    collected = {0: x} if 0 in taps else {}
-    ks, vs = [], []
-    for i, p in enumerate(params["layers"]):
-        x, k_buf, v_buf = _layer(cfg, p, x, cos, sin, cache.k[i], cache.v[i], cache.lengths, visible)
-        ks.append(k_buf)
-        vs.append(v_buf)
-        if i + 1 in taps:
-            collected[i + 1] = x
-    tap_states = (jnp.stack([collected[i] for i in taps], axis=2) if taps
-                  else jnp.zeros((b, t, 0, cfg.d_model), x.dtype))
-    hidden = rms_norm(x, params["final_norm"], cfg.norm_eps)
-    return hidden, tap_states, cache_lib.KVCache(tuple(ks), tuple(vs), cache.lengths)
+    hidden, tap_states, ks, vs = _decoder(params, cfg, tokens, positions, cache, mask, taps,
+                                          fresh=False)
+    return hidden, tap_states, cache_lib.KVCache(ks, vs, cache.lengths)
 
 
 def lm_head(params: dict, cfg: ModelConfig, hidden: jax.Array) -> jax.Array:
@@ -235,6 +289,29 @@ def forward(
     """
     hidden, tap_states, cache = forward_hidden(params, cfg, tokens, positions, cache, mask, taps)
     return lm_head(params, cfg, hidden), tap_states, cache
+
+
+def forward_fresh(
+    params: dict,
+    cfg: ModelConfig,
+    tokens: jax.Array,
+    positions: jax.Array,
+    cache: cache_lib.KVCache,
+    mask: jax.Array | None = None,
+    taps: tuple[int, ...] = (),
+) -> tuple[jax.Array, jax.Array, cache_lib.Fresh]:
+    """:func:`forward` without writing the cache: ``(logits, taps, fresh)``.
+
+    The cache is only read; the new tokens attend to its committed slots and, among
+    themselves, as ``mask`` allows. ``cache_lib.write(cache, fresh)`` then stores their keys
+    and values where :func:`forward` would have, and the logits equal :func:`forward`'s up to
+    summation order. Because nothing is written, the pass can sit inside ``lax.cond`` without
+    XLA copying the cache (``decode.speculative_generate`` uses this). Arguments as in
+    :func:`forward_hidden`.
+    """
+    hidden, tap_states, ks, vs = _decoder(params, cfg, tokens, positions, cache, mask, taps,
+                                          fresh=True)
+    return lm_head(params, cfg, hidden), tap_states, cache_lib.Fresh(ks, vs)
 
 
 def prefill(params: dict, cfg: ModelConfig, prompt: jax.Array, prompt_len: jax.Array, capacity: int,
