@@ -1,7 +1,7 @@
 """Optional extra layouts of a target params pytree.
 
 **One-row weights.** XLA:CPU's matrix-vector product streams a weight stored ``[out, in]``
-about 20% faster than one stored ``[in, out]`` (the layout of specjax's params), while with two
+faster than one stored ``[in, out]`` (the layout of specjax's params), while with two
 or more rows ``[in, out]`` is the faster one. :func:`with_row_weights` therefore adds an
 ``[out, in]`` copy of every layer matrix, under the matrix's key plus ``"_t"`` (and of an
 untied LM head, as ``"lm_head_t"``); the decoder multiplies a pass of exactly one query row by

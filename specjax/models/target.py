@@ -24,10 +24,10 @@ are fused into one matrix each, so a decode step issues fewer, larger matrix pro
 **One-row weights.** A layer may also carry ``"wqkv_t"``, ``"wo_t"``, ``"w_gate_up_t"`` and
 ``"w_down_t"`` (and the params an untied ``"lm_head_t"``): the same matrices stored
 ``[out, in]``. A pass with exactly one query row (``B * T == 1``, a plain decoding step) then
-multiplies by those: XLA:CPU's matrix-vector product streams ``[out, in]`` weights about 20%
-faster than ``[in, out]`` ones, while with two or more rows ``[in, out]`` is faster (measured
+multiplies by those: XLA:CPU's matrix-vector product streams ``[out, in]`` weights faster
+than ``[in, out]`` ones, while with two or more rows ``[in, out]`` is faster (measured
 side by side, see the README's performance notes). :func:`specjax.io.layout.with_row_weights`
-adds them (``specjax.io.load`` does on CPU); the result differs from the ``[in, out]`` product
+adds them (``specjax.io.load`` does for float32 on CPU); the result differs from the ``[in, out]`` product
 only by summation order.
 
 **Masks.** Every call writes its T new tokens at slots ``[lengths, lengths + T)`` of each row's
