@@ -123,7 +123,10 @@ def run_spec_benchmark(model, prompts: Sequence[str], *, max_new_tokens: int = 1
         rows.append(dict(name=name, decode_s=secs, tau=tau,
                          tok_s=len(encoded) * (max_new_tokens - 1) / secs,
                          speedup=plain / secs, speedup_vs_fastest=fastest_plain / secs,
-                         efficiency=plain / secs / tau, mismatched_prompts=mismatches))
+                         efficiency=plain / secs / tau, mismatched_prompts=mismatches,
+                         per_prompt=[dict(tau=taus[name][i],
+                                          speedup=best["plain f32"][i] / best[name][i])
+                                     for i in range(len(encoded))]))
     return dict(curves={d: dict(nodes=v.nodes, seconds=v.seconds,
                                 plain_step=v.fastest_plain_step) for d, v in curves.items()},
                 fastest_plain_step_any=fastest_any, drafters=rows,
@@ -148,6 +151,12 @@ def format_report(result: dict) -> str:
             same = "(bf16: not compared)"
         lines.append(f"  {r['name']:26s} {r['tok_s']:7.1f} {r['tau']:5.2f} {r['speedup']:7.2f}x "
                      f"{r['speedup_vs_fastest']:9.2f}x {r['efficiency']:10.2f}  {same}")
+    lines += ["", "per prompt, tau and speedup over plain f32 (the totals above add up times, so "
+              "the prompt with the fewest accepted drafts weighs most):"]
+    for r in result["drafters"]:
+        if not r["name"].startswith("plain"):
+            cells = [f"tau {c['tau']:.2f} {c['speedup']:.2f}x" for c in r["per_prompt"]]
+            lines.append(f"  {r['name']:26s} " + "  |  ".join(cells))
     return "\n".join(lines)
 
 

@@ -1,0 +1,34 @@
+"""The benchmark reports: tables built from result dicts (the measurements themselves are
+benchmarks, never tests)."""
+
+from __future__ import annotations
+
+from specjax import bench, spec_bench
+
+
+def test_spec_report_lists_every_prompt_of_every_drafter():
+    rows = [dict(name="plain f32", tok_s=90.0, tau=1.0, speedup=1.0, speedup_vs_fastest=1.0,
+                 efficiency=1.0, mismatched_prompts=[],
+                 per_prompt=[dict(tau=1.0, speedup=1.0)] * 2),
+            dict(name="ngram k=8", tok_s=120.0, tau=3.75, speedup=1.33, speedup_vs_fastest=1.33,
+                 efficiency=0.36, mismatched_prompts=[1],
+                 per_prompt=[dict(tau=6.14, speedup=3.02), dict(tau=1.67, speedup=1.18)])]
+    result = dict(curves={"float32": dict(nodes=(1, 16), seconds=(0.0116, 0.0295),
+                                          plain_step=0.0116)},
+                  fastest_plain_step_any=0.0116, drafters=rows, max_new_tokens=128, prompts=2)
+    report = spec_bench.format_report(result)
+    assert "N=16: 29.5 [2.54x; 2.54x]" in report
+    assert "differs [1]" in report
+    per_prompt = [line for line in report.splitlines() if line.strip().startswith("ngram k=8")]
+    assert per_prompt[-1].split() == ["ngram", "k=8", "tau", "6.14", "3.02x", "|", "tau", "1.67",
+                                      "1.18x"]
+
+
+def test_plain_table_fits_every_engine_name():
+    run = dict(decode_tok_s=84.0, ms_per_token=11.9, prefill_ms=60.0, e2e_tok_s=81.0,
+               roofline_fraction=0.56)
+    result = dict(engines={name: run for name in bench.ENGINES}, roofline_tok_s=148.9,
+                  bandwidth_bytes_s=80.1e9, weight_bytes=538.1e6)
+    lines = bench.format_table(result).splitlines()
+    assert len({len(line) for line in lines[2:2 + len(bench.ENGINES)]}) == 1  # aligned columns
+    assert all(any(line.startswith(name + " ") for line in lines) for name in bench.ENGINES)
