@@ -275,7 +275,9 @@ def speculative_generate(
     depth``); :func:`specjax.verify.verify` accepts a path and draws a bonus token; the path's
     K/V is compacted into the cache and the accepted tokens plus the bonus are appended. Rows
     finish independently (stop token inside an accepted run, or ``max_new_tokens``, both
-    exact). A row whose proposal is unusable falls back to plain decoding for that cycle.
+    exact). A row whose proposal is unusable falls back to plain decoding for that cycle, and a
+    cycle in which no running row has a draft scores only the roots (for targets that offer
+    ``forward_fresh``, see :mod:`specjax.targets`).
 
     Args:
       params: the target's params.

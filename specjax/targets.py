@@ -12,14 +12,14 @@ A target is a frozen, hashable object (a static argument of ``jax.jit``) with pu
 committed tokens plus, among its T new tokens, those that ``mask`` allows (ancestor-or-self), at
 ``positions`` (committed length + depth); ``commit`` keeps the first ``n_keep`` nodes of
 ``path`` (root first) as the next committed tokens, in path order, and forgets the rest.
+:class:`DecoderTarget` implements it for specjax's own decoders; another JAX stack implements
+these three functions for its model (a stateless model may ignore ``cache`` altogether).
 
 Optional, for speed only: ``step_tokens`` (default 1), the fewest query tokens a pass should
 carry, and the pair ``forward_fresh(...) -> (logits, taps, fresh)`` /
 ``write_fresh(cache, fresh) -> cache``, which split ``forward`` into a pass that only reads the
 cache and the write of what it computed. With them the loop scores only the roots (a pass of
 ``step_tokens`` tokens) in a cycle where no row has a draft.
-:class:`DecoderTarget` implements it for specjax's own decoders; another JAX stack implements
-these three functions for its model (a stateless model may ignore ``cache`` altogether).
 """
 
 from __future__ import annotations
