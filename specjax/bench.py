@@ -417,8 +417,8 @@ def decode_weight_bytes(cfg: ModelConfig, params: dict) -> int:
     embedding row the step looks up. A matrix with a one-row copy (``specjax.io.layout``) counts
     once: a step reads one of the two.
     """
-    n = sum(x.nbytes for p in params["layers"] for k, x in p.items() if not k.endswith("_t"))
-    n += params["final_norm"].nbytes
+    params = without_row_weights(params)
+    n = sum(x.nbytes for x in jax.tree.leaves(params["layers"])) + params["final_norm"].nbytes
     if cfg.tie_embeddings:
         return n + params["embed"].nbytes
     return n + params["lm_head"].nbytes + params["embed"][0].nbytes

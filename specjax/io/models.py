@@ -134,7 +134,7 @@ def load(name_or_path: str | Path, dtype: str = "float32",
             f"has only {cfg.vocab_size} rows (vocab_size)"
         )
     if row_weights is None:
-        # A bfloat16 decoding step feeds two rows (specjax.decode.generate), never one.
+        # A bfloat16 decoding step feeds two rows (specjax.models.target.step_tokens), never one.
         row_weights = cfg.dtype == "float32" and jax.default_backend() == "cpu"
     if row_weights:
         params = with_row_weights(params)

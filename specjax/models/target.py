@@ -27,8 +27,8 @@ are fused into one matrix each, so a decode step issues fewer, larger matrix pro
 multiplies by those: XLA:CPU's matrix-vector product streams ``[out, in]`` weights faster
 than ``[in, out]`` ones, while with two or more rows ``[in, out]`` is faster (measured
 side by side, see the README's performance notes). :func:`specjax.io.layout.with_row_weights`
-adds them (``specjax.io.load`` does for float32 on CPU); the result differs from the ``[in, out]`` product
-only by summation order.
+adds them (``specjax.io.load`` does for float32 on CPU); the result differs from the
+``[in, out]`` product only by summation order.
 
 **Masks.** Every call writes its T new tokens at slots ``[lengths, lengths + T)`` of each row's
 cache. A query sees (a) all committed slots ``< lengths[b]`` and (b) among the new tokens, those
@@ -172,14 +172,12 @@ def _layer(cfg: ModelConfig, p: dict, x, cos, sin, k_buf, v_buf, lengths, visibl
     if visible_new is None:
         k_buf = cache_lib.write_rows(k_buf, k_new, lengths)
         v_buf = cache_lib.write_rows(v_buf, v_new, lengths)
-        out = attention(q, cache_lib.from_storage(k_buf, cfg), cache_lib.from_storage(v_buf, cfg),
-                        visible)
-        k_out, v_out = k_buf, v_buf
+        fresh, k_out, v_out = None, k_buf, v_buf
     else:
         fresh = (cache_lib.from_storage(k_new, cfg), cache_lib.from_storage(v_new, cfg), visible_new)
-        out = attention(q, cache_lib.from_storage(k_buf, cfg), cache_lib.from_storage(v_buf, cfg),
-                        visible, fresh)
         k_out, v_out = k_new, v_new
+    out = attention(q, cache_lib.from_storage(k_buf, cfg), cache_lib.from_storage(v_buf, cfg),
+                    visible, fresh)
     out = out.reshape(b, kh, g, t, h).transpose(0, 3, 1, 2, 4).reshape(b, t, n * h)
     x = x + _matmul(out, p, "wo")
     gate_up = _matmul(rms_norm(x, p["mlp_norm"], cfg.norm_eps), p, "w_gate_up")
