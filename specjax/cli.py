@@ -105,6 +105,97 @@ def _generate(args) -> int:
     return 0
 
 
+def _task_range(text: str) -> tuple[int, int]:
+    lo, sep, hi = text.partition("-")
+    try:
+        return (int(lo), int(hi if sep else lo))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected LO-HI, e.g. 11-510, got {text!r}") from None
+
+
+def _add_data(sub):
+    p = sub.add_parser("data", help="build drafter training data",
+                       description="Build drafter training data.")
+    data_sub = p.add_subparsers(dest="data_command", required=True, metavar="DATA_COMMAND")
+    d = data_sub.add_parser(
+        "distill", help="the target answers training prompts; its responses become records",
+        description="Self-distillation (specjax.train.distill): the target generates its own "
+                    "responses to JSONL prompts, written as shards of token-id records to --out. "
+                    "Restarting the same command resumes, with the same bytes as an "
+                    "uninterrupted run; prompts overlapping an evaluation set are refused.")
+    d.add_argument("--input", action="append", required=True, metavar="PATH[:FIELD]",
+                   help="a JSONL prompt file, optionally with the field holding each prompt "
+                        "(default: 'messages', else 'prompt'); repeat for several")
+    d.add_argument("--out", required=True, help="output directory")
+    d.add_argument("--model", default="smollm2-135m",
+                   help="the target: a known name, an HF directory or a .gguf (default: %(default)s)")
+    d.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="the target's dtype (default: %(default)s)")
+    d.add_argument("--system", default=None,
+                   help="system message (default: the chat template's own default)")
+    d.add_argument("--exclude-task-ids", type=_task_range, default=None, metavar="LO-HI",
+                   help="drop input lines whose task_id is in LO..HI (MBPP test: 11-510)")
+    d.add_argument("--drop-eval-overlap", action="store_true",
+                   help="drop prompts that overlap an evaluation set (listed in the manifest) "
+                        "instead of refusing the run")
+    d.add_argument("--max-prompt-tokens", type=int, default=512,
+                   help="skip longer formatted prompts (default: %(default)s)")
+    d.add_argument("--max-prompts", type=int, default=None,
+                   help="keep only this many prompts of the shuffled order (default: all)")
+    d.add_argument("--max-new-tokens", type=int, default=384,
+                   help="response tokens per prompt at most (default: %(default)s)")
+    d.add_argument("--temperature", type=float, default=0.7, help="(default: %(default)s)")
+    d.add_argument("--top-k", type=int, default=20, help="(default: %(default)s)")
+    d.add_argument("--top-p", type=float, default=0.8, help="(default: %(default)s)")
+    d.add_argument("--seed", type=int, default=0, help="(default: %(default)s)")
+    d.add_argument("--batch-size", type=int, default=32,
+                   help="prompts per generation call (default: %(default)s)")
+    d.add_argument("--shard-size", type=int, default=256,
+                   help="prompts per shard file, a multiple of --batch-size (default: %(default)s)")
+    d.add_argument("--no-progress", action="store_true", help="no progress bar")
+    d.set_defaults(func=_distill)
+    f = data_sub.add_parser(
+        "fingerprints", help="rebuild the evaluation-set fingerprints",
+        description="Hash the evaluation sets under --bench-dir (MT-Bench, GSM8K test, "
+                    "HumanEval, MBPP test, MATH-500) into the fingerprint file that "
+                    "'data distill' checks prompts against.")
+    f.add_argument("--bench-dir", required=True,
+                   help="directory with mt_bench/, gsm8k/, humaneval/, mbpp/, math500/")
+    f.add_argument("--out", default=None,
+                   help="output file (default: the one shipped in the specjax package)")
+    f.set_defaults(func=_fingerprints)
+
+
+def _distill(args) -> int:
+    from specjax.train import distill
+
+    cfg = distill.DistillConfig(
+        inputs=tuple(distill.InputSpec.parse(s) for s in args.input), target=args.model,
+        dtype=args.dtype, system=args.system, max_prompt_tokens=args.max_prompt_tokens,
+        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+        top_p=args.top_p, seed=args.seed, batch_size=args.batch_size,
+        shard_size=args.shard_size, max_prompts=args.max_prompts,
+        exclude_task_ids=args.exclude_task_ids, drop_eval_overlap=args.drop_eval_overlap)
+    manifest = distill.distill(cfg, args.out, progress=not args.no_progress)
+    s = manifest["settings"]
+    print(f"{args.out}: {manifest['n_shards']} shards, {s['prompts']} prompts "
+          f"({s['skipped_long_prompts']} longer than {s['max_prompt_tokens']} tokens skipped, "
+          f"{len(s['dropped_eval_overlap'])} overlapping an evaluation set dropped), "
+          f"{sum(x['response_tokens'] for x in manifest['shards'])} response tokens")
+    return 0
+
+
+def _fingerprints(args) -> int:
+    from specjax.train import data
+
+    fp = data.EvalFingerprints.build(args.bench_dir)
+    out = args.out or data.FINGERPRINT_FILE
+    fp.save(out)
+    print(f"{out}: {len(fp.full)} texts, {len(fp.shingles)} {fp.shingle_words}-word shingles "
+          f"from {', '.join(fp.names)}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="specjax",
@@ -112,6 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_generate(sub)
+    _add_data(sub)
     return parser
 
 
