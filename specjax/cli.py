@@ -196,6 +196,75 @@ def _fingerprints(args) -> int:
     return 0
 
 
+def _add_train(sub):
+    p = sub.add_parser(
+        "train", help="train a drafter on distilled records",
+        description="Train a drafter on records distilled from its target ('specjax data "
+                    "distill'). Restarting the same command resumes from the run directory's "
+                    "latest checkpoint exactly; SIGTERM or Ctrl-C saves a checkpoint at the "
+                    "current step and exits with 128 + the signal number.")
+    families = p.add_subparsers(dest="family", required=True, metavar="FAMILY")
+    d = families.add_parser(
+        "draft-model", help="a draft model made of the target's first layers, its norm and head",
+        description="Distill a self-speculative draft model: the target's first --layers "
+                    "layers and its final norm train (cross-entropy on the target's own "
+                    "responses), its embedding and head stay shared and frozen. The first "
+                    "--dev-prompts records are held out (never trained on) and evaluated every "
+                    "--eval-every steps by greedy speculative decoding: tau, tokens/s and "
+                    "whether the output equals plain greedy.")
+    d.add_argument("--target", default="smollm2-135m",
+                   help="the target: a known name, an HF directory or a .gguf (default: %(default)s)")
+    d.add_argument("--data", required=True, help="a 'specjax data distill' output directory")
+    d.add_argument("--layers", type=int, default=4,
+                   help="target layers the draft model keeps (default: %(default)s)")
+    d.add_argument("--run-dir", required=True,
+                   help="checkpoints, metrics.jsonl and metrics.png go here")
+    d.add_argument("--steps", type=int, default=2000, help="optimizer steps (default: %(default)s)")
+    d.add_argument("--batch", type=int, default=8, help="packed rows per batch (default: %(default)s)")
+    d.add_argument("--seq-len", type=int, default=512, help="tokens per row (default: %(default)s)")
+    d.add_argument("--lr", type=float, default=3e-4, help="peak learning rate (default: %(default)s)")
+    d.add_argument("--warmup", type=float, default=0.05,
+                   help="fraction of the steps that warms up linearly (default: %(default)s)")
+    d.add_argument("--weight-decay", type=float, default=0.01, help="(default: %(default)s)")
+    d.add_argument("--save-every", type=int, default=250, help="(default: %(default)s)")
+    d.add_argument("--log-every", type=int, default=10, help="(default: %(default)s)")
+    d.add_argument("--eval-every", type=int, default=250,
+                   help="steps between evaluations, 0 for none (default: %(default)s)")
+    d.add_argument("--dev-prompts", type=int, default=8,
+                   help="records held out for evaluation (default: %(default)s)")
+    d.add_argument("--eval-tokens", type=int, default=64,
+                   help="new tokens per dev prompt in an evaluation (default: %(default)s)")
+    d.add_argument("--draft-len", type=int, default=4,
+                   help="drafts per cycle in an evaluation (default: %(default)s)")
+    d.add_argument("--seed", type=int, default=0,
+                   help="batch order and training randomness (default: %(default)s)")
+    d.add_argument("--no-progress", action="store_true", help="no progress bar")
+    d.set_defaults(func=_train_draft_model)
+
+
+def _train_draft_model(args) -> int:
+    from specjax.io.models import load
+    from specjax.train import data, draft_model, evaluate, loop
+
+    cfg = loop.TrainConfig(run_dir=args.run_dir, steps=args.steps, lr=args.lr,
+                           warmup_frac=args.warmup, weight_decay=args.weight_decay,
+                           save_every=args.save_every, eval_every=args.eval_every,
+                           log_every=args.log_every, seed=args.seed)
+    model = load(args.target)
+    dev, train_records = evaluate.hold_out(data.Records(args.data), args.dev_prompts)
+    source = loop.PackedSource(train_records, seq_len=args.seq_len, batch_size=args.batch,
+                               seed=args.seed)
+    result, _, _ = draft_model.train(
+        model.cfg, model.params, source, cfg, layers=args.layers, dev_prompts=dev,
+        draft_len=args.draft_len, eval_tokens=args.eval_tokens,
+        stop_tokens=model.tokenizer.eos_ids if model.tokenizer else (),
+        progress=not args.no_progress)
+    how = (f"stopped by signal {result.signal}; rerun the same command to resume"
+           if result.signal else "done")
+    print(f"{args.run_dir}: step {result.step} of {args.steps}, {how}", file=sys.stderr)
+    return 128 + result.signal if result.signal else 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="specjax",
@@ -204,6 +273,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_generate(sub)
     _add_data(sub)
+    _add_train(sub)
     return parser
 
 
