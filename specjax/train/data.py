@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import gzip
 import hashlib
+import io
 import json
 import os
 import zipfile
@@ -75,8 +76,6 @@ def npz_bytes(arrays: Mapping[str, np.ndarray]) -> bytes:
     ``np.savez`` stamps each member with the current time, so two saves of the same arrays
     differ; here every member gets the same fixed timestamp and is stored uncompressed.
     """
-    import io
-
     buf = io.BytesIO()
     with zipfile.ZipFile(buf, "w", zipfile.ZIP_STORED) as zf:
         for name, a in arrays.items():
