@@ -64,6 +64,8 @@ class ModelConfig:
       dtype: ``"float32"`` or ``"bfloat16"``: the dtype of weights, activations and the KV cache
         (matmuls accumulate in float32, norms and softmax run in float32 either way).
       max_position_embeddings: the longest context the checkpoint was trained for.
+      attention_impl: the attention implementation, a name in
+        ``specjax.models.attention.IMPLEMENTATIONS`` (``"reference"``: dense masks in XLA).
     """
 
     arch: Arch
@@ -80,6 +82,7 @@ class ModelConfig:
     tie_embeddings: bool = False
     dtype: str = "float32"
     max_position_embeddings: int = 8192
+    attention_impl: str = "reference"
 
     def __post_init__(self):
         if self.arch not in ("llama", "qwen3"):
@@ -101,6 +104,11 @@ class ModelConfig:
             raise ValueError(f"rope_theta must be > 0, got {self.rope_theta}")
         if self.norm_eps <= 0:
             raise ValueError(f"norm_eps must be > 0, got {self.norm_eps}")
+        from specjax.models.attention import IMPLEMENTATIONS
+
+        if self.attention_impl not in IMPLEMENTATIONS:
+            raise ValueError(f"unknown attention_impl {self.attention_impl!r}; known: "
+                             f"{sorted(IMPLEMENTATIONS)}")
 
     @property
     def qk_norm(self) -> bool:

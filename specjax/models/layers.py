@@ -1,4 +1,10 @@
-"""Decoder building blocks: RMSNorm and rotary embeddings (attention lives in specjax.kernels).
+"""Decoder building blocks shared by the target and every drafter.
+
+RMSNorm, rotary embeddings, the q/k/v projection (with RoPE and the optional per-head q/k
+norm), attention over key blocks followed by the output projection, and the SwiGLU MLP. The
+target (:mod:`specjax.models.target`) is built from these, and drafters call the same functions
+on their own weights, so no drafter carries a copy of the attention code. Attention itself is
+:func:`specjax.models.attention.attend`.
 
 Axis legend used by every module in ``specjax.models``:
 
@@ -14,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.config import ModelConfig
+from specjax.models import attention as attention_lib
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -69,3 +76,65 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     x1, x2 = x32[..., :half], x32[..., half:]
     c, s = cos[:, :, None, :], sin[:, :, None, :]
     return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x.dtype)
+
+
+def linear(x: jax.Array, p: dict, key: str) -> jax.Array:
+    """x [B, T, in] @ p[key] [in, out], accumulated in float32, returned in ``x.dtype``.
+
+    A single row (``B * T == 1``) multiplies by the ``[out, in]`` copy ``p[key + "_t"]`` when
+    the params carry one (:mod:`specjax.io.layout`): XLA:CPU streams those faster in a
+    matrix-vector product.
+    """
+    if x.shape[0] * x.shape[1] == 1 and f"{key}_t" in p:
+        return jnp.einsum("bti,oi->bto", x, p[f"{key}_t"],
+                          preferred_element_type=jnp.float32).astype(x.dtype)
+    return jnp.einsum("bti,io->bto", x, p[key], preferred_element_type=jnp.float32).astype(x.dtype)
+
+
+def project_qkv(p: dict, cfg: ModelConfig, x: jax.Array, cos: jax.Array, sin: jax.Array):
+    """Queries, keys and values of T tokens, RoPE applied (after the q/k norm when configured).
+
+    Args:
+      p: a layer's weights: ``wqkv`` [in, (N + 2K) H] and, for ``cfg.qk_norm``, ``q_norm`` /
+        ``k_norm`` [H]. ``in`` is usually D; an EAGLE-3 layer reads 2D.
+      x: [B, T, in] the already normalized layer input.
+      cos, sin: [B, T, H/2] rotary tables of the tokens' positions.
+    Returns:
+      q [B, T, N, H], k [B, T, K, H], v [B, T, K, H] in ``x.dtype``.
+    """
+    b, t, _ = x.shape
+    n, kh, h = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    qkv = linear(x, p, "wqkv")
+    q = qkv[..., : n * h].reshape(b, t, n, h)
+    k = qkv[..., n * h: (n + kh) * h].reshape(b, t, kh, h)
+    v = qkv[..., (n + kh) * h:].reshape(b, t, kh, h)
+    if cfg.qk_norm:
+        q = rms_norm(q, p["q_norm"], cfg.norm_eps)
+        k = rms_norm(k, p["k_norm"], cfg.norm_eps)
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+
+def kv_rows(x: jax.Array) -> jax.Array:
+    """[B, T, K, H] -> [B * K, T, H], the row layout of caches and key blocks."""
+    b, t, k, h = x.shape
+    return x.transpose(0, 2, 1, 3).reshape(b * k, t, h)
+
+
+def attention_out(p: dict, cfg: ModelConfig, q: jax.Array,
+                  blocks: list[attention_lib.KeyBlock]) -> jax.Array:
+    """Attention of ``q`` [B, T, N, H] over key blocks, then the output projection ``wo``.
+
+    Returns [B, T, D], to be added to the residual stream. The implementation is
+    ``cfg.attention_impl`` (:func:`specjax.models.attention.attend`).
+    """
+    b, t, n, h = q.shape
+    out = attention_lib.attend(q, blocks, cfg.attention_impl)
+    return linear(out.reshape(b, t, n * h), p, "wo")
+
+
+def mlp(p: dict, cfg: ModelConfig, x: jax.Array) -> jax.Array:
+    """The SwiGLU block on the residual ``x`` [B, T, D]: ``down(silu(gate) * up)`` of
+    ``rms_norm(x, mlp_norm)``; returns [B, T, D], to be added to the residual stream."""
+    gate_up = linear(rms_norm(x, p["mlp_norm"], cfg.norm_eps), p, "w_gate_up")
+    gate, up = gate_up[..., : cfg.d_ff], gate_up[..., cfg.d_ff:]
+    return linear(jax.nn.silu(gate) * up, p, "w_down")

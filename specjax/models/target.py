@@ -36,12 +36,15 @@ marked in ``mask[b, t, :]``. ``mask=None`` means causal (token t sees new tokens
 serves prefill and plain decoding; a tree or block verification passes its ancestor-or-self
 matrix, with positions ``lengths + depth``. Row ``t`` of ``mask`` must include ``t`` itself.
 :func:`forward_fresh` computes the same pass without writing: the new keys/values are attended
-as a separate block and returned, for the caller to write with ``cache.write``.
+as a separate block and returned, for the caller to write with ``cache.write``. Both are
+visibility rules of :mod:`specjax.models.attention` (``Causal``, ``Prefix``, ``Tree``), never
+a dense [T, S] mask handed around; :func:`encode` (packed training sequences) uses ``Causal``
+within ``Segments``.
 
 **Taps.** ``taps=(i, ...)`` returns the residual stream after ``i`` decoder layers, for
 ``0 <= i <= L``: tap 0 is the token embedding and tap ``i < L`` equals HF
-``output_hidden_states[i]``. Tap ``L`` is the final pre-norm state; HF's ``hidden_states[L]`` is
-``final_norm`` applied to it.
+``output_hidden_states[i]``. Tap ``L`` is the final pre-norm state; tap :data:`FINAL_NORMED`
+(-1) is ``final_norm`` applied to it, HF's ``hidden_states[L]`` (the EAGLE-1 feature).
 """
 
 from __future__ import annotations
@@ -51,9 +54,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.config import ModelConfig
+from specjax.models import attention as attn
 from specjax.models import cache as cache_lib
-from specjax.kernels.attention import reference_attention as attention
-from specjax.models.layers import apply_rope, rms_norm, rope_tables
+from specjax.models import layers
+from specjax.models.layers import rms_norm, rope_tables
 
 
 def init_params(cfg: ModelConfig, seed: int = 0, scale: float = 0.02) -> dict:
@@ -100,98 +104,68 @@ def step_tokens(cfg: ModelConfig) -> int:
     return 2 if cfg.dtype == "bfloat16" else 1
 
 
-def visible_slots(lengths: jax.Array, capacity: int, mask: jax.Array | None, t: int) -> jax.Array:
-    """Which cache slots each new query sees.
+def _rules(cache: cache_lib.KVCache, mask: jax.Array | None, fresh: bool):
+    """The visibility rules of a pass over T new tokens (module docstring, **Masks**).
 
-    Args:
-      lengths: [B] committed slots per row.
-      capacity: S.
-      mask: [B, T, T] bool among the new tokens, or None for causal.
-      t: T.
-    Returns:
-      [B, T, S] bool: committed slots, plus new slots the mask allows.
-
-    For lengths = [2], T = 3, S = 6 and a causal mask::
-
-        slot:      0 1 2 3 4 5
-        query 0:   1 1 1 0 0 0
-        query 1:   1 1 1 1 0 0
-        query 2:   1 1 1 1 1 0
+    Returns ``(cache_rule, fresh_rule)``. Written into the cache (``fresh=False``), one block:
+    causal, or the committed prefix plus the tree at slots ``lengths..``; ``fresh_rule`` is
+    None. Read-only (``fresh=True``): the committed prefix of the cache, and causal or tree
+    visibility among the pass's own keys.
     """
-    rel = jnp.arange(capacity)[None, None, :] - lengths[:, None, None]  # [B, 1, S]
-    committed = rel < 0
+    lengths = cache.lengths
+    if fresh:
+        return attn.Prefix(lengths), attn.Causal() if mask is None else attn.Tree(mask)
     if mask is None:
-        new = (rel >= 0) & (rel <= jnp.arange(t)[None, :, None])
-    else:
-        idx = jnp.broadcast_to(jnp.clip(rel, 0, t - 1), (lengths.shape[0], t, capacity))
-        new = (rel >= 0) & (rel < t) & jnp.take_along_axis(mask, idx, axis=2)
-    return committed | new
+        return attn.Causal(lengths), None
+    return attn.Union((attn.Prefix(lengths), attn.Tree(mask, lengths))), None
 
 
-def _matmul(x: jax.Array, p: dict, key: str) -> jax.Array:
-    """x [B, T, in] @ p[key] [in, out], accumulated in float32, returned in ``x.dtype``; a
-    single row uses the ``[out, in]`` copy ``p[key + "_t"]`` when there is one."""
-    if x.shape[0] * x.shape[1] == 1 and f"{key}_t" in p:
-        return jnp.einsum("bti,oi->bto", x, p[f"{key}_t"],
-                          preferred_element_type=jnp.float32).astype(x.dtype)
-    return jnp.einsum("bti,io->bto", x, p[key], preferred_element_type=jnp.float32).astype(x.dtype)
-
-
-def _kv_rows(x: jax.Array) -> jax.Array:
-    """[B, T, K, H] -> [B * K, T, H], the cache's row order."""
-    b, t, k, h = x.shape
-    return x.transpose(0, 2, 1, 3).reshape(b * k, t, h)
-
-
-def _layer(cfg: ModelConfig, p: dict, x, cos, sin, k_buf, v_buf, lengths, visible,
-           visible_new=None):
+def _layer(cfg: ModelConfig, p: dict, x, cos, sin, k_buf, v_buf, lengths, rule,
+           fresh_rule=None):
     """One decoder layer over T new tokens.
 
-    With ``visible_new`` None the new keys/values are written into the layer's cache rows and
-    attended there (``visible`` covers committed and new slots); returns ``(x, k_buf, v_buf)``.
-    Otherwise the cache is only read (``visible``: committed slots), the new keys/values are
-    attended as fresh keys (``visible_new`` [B * K, G * T, T]) and returned instead of the
-    rows: ``(x, k_new, v_new)``, each [B * K, T, H] in the cache's storage dtype.
+    With ``fresh_rule`` None the new keys/values are written into the layer's cache rows and
+    attended there under ``rule``; returns ``(x, k_buf, v_buf)``. Otherwise the cache is only
+    read (under ``rule``), the new keys/values are attended as a separate block under
+    ``fresh_rule`` and returned instead of the rows: ``(x, k_new, v_new)``, each
+    [B * K, T, H] in the cache's storage dtype.
     """
-    b, t, _ = x.shape
-    n, kh, h, g = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.q_per_kv
-    qkv = _matmul(rms_norm(x, p["attn_norm"], cfg.norm_eps), p, "wqkv")
-    q = qkv[..., : n * h].reshape(b, t, n, h)
-    k = qkv[..., n * h: (n + kh) * h].reshape(b, t, kh, h)
-    v = qkv[..., (n + kh) * h:].reshape(b, t, kh, h)
-    if cfg.qk_norm:
-        q = rms_norm(q, p["q_norm"], cfg.norm_eps)
-        k = rms_norm(k, p["k_norm"], cfg.norm_eps)
-    q = apply_rope(q, cos, sin)
-    k = apply_rope(k, cos, sin)
-    # Cache rows are (batch, kv head) pairs: [B, T, K, H] -> [B * K, T, H].
-    k_new = cache_lib.to_storage(_kv_rows(k), cfg)
-    v_new = cache_lib.to_storage(_kv_rows(v), cfg)
-    # Queries grouped under their kv head: [B, T, N, H] -> [B * K, G * T, H].
-    q = q.reshape(b, t, kh, g, h).transpose(0, 2, 3, 1, 4).reshape(b * kh, g * t, h)
-    if visible_new is None:
+    q, k, v = layers.project_qkv(p, cfg, rms_norm(x, p["attn_norm"], cfg.norm_eps), cos, sin)
+    k_new = cache_lib.to_storage(layers.kv_rows(k), cfg)
+    v_new = cache_lib.to_storage(layers.kv_rows(v), cfg)
+    if fresh_rule is None:
         k_buf = cache_lib.write_rows(k_buf, k_new, lengths)
         v_buf = cache_lib.write_rows(v_buf, v_new, lengths)
-        fresh, k_out, v_out = None, k_buf, v_buf
+        k_out, v_out = k_buf, v_buf
     else:
-        fresh = (cache_lib.from_storage(k_new, cfg), cache_lib.from_storage(v_new, cfg), visible_new)
         k_out, v_out = k_new, v_new
-    out = attention(q, cache_lib.from_storage(k_buf, cfg), cache_lib.from_storage(v_buf, cfg),
-                    visible, fresh)
-    out = out.reshape(b, kh, g, t, h).transpose(0, 3, 1, 2, 4).reshape(b, t, n * h)
-    x = x + _matmul(out, p, "wo")
-    gate_up = _matmul(rms_norm(x, p["mlp_norm"], cfg.norm_eps), p, "w_gate_up")
-    gate, up = gate_up[..., : cfg.d_ff], gate_up[..., cfg.d_ff:]
-    x = x + _matmul(jax.nn.silu(gate) * up, p, "w_down")
+    blocks = [attn.KeyBlock(cache_lib.from_storage(k_buf, cfg), cache_lib.from_storage(v_buf, cfg),
+                            rule)]
+    if fresh_rule is not None:
+        blocks.append(attn.KeyBlock(cache_lib.from_storage(k_new, cfg),
+                                    cache_lib.from_storage(v_new, cfg), fresh_rule))
+    x = x + layers.attention_out(p, cfg, q, blocks)
+    x = x + layers.mlp(p, cfg, x)
     return x, k_out, v_out
 
 
-def _per_kv_row(cfg: ModelConfig, m: jax.Array) -> jax.Array:
-    """[B, T, X] -> [B * K, G * T, X], one copy shared by all layers, in the attention's row
-    order (queries grouped under their kv head)."""
-    b, t, x = m.shape
-    return jnp.broadcast_to(m[:, None, None], (b, cfg.n_kv_heads, cfg.q_per_kv, t, x)).reshape(
-        b * cfg.n_kv_heads, cfg.q_per_kv * t, x)
+FINAL_NORMED = -1  # the tap id of the final normed state (the LM head's input)
+
+
+def _check_taps(cfg: ModelConfig, taps: tuple[int, ...]):
+    for i in taps:
+        if not (0 <= i <= cfg.n_layers or i == FINAL_NORMED):
+            raise ValueError(f"tap layer {i} is outside [0, {cfg.n_layers}] and is not "
+                             f"FINAL_NORMED ({FINAL_NORMED})")
+
+
+def _stack_taps(collected: dict, taps: tuple[int, ...], hidden: jax.Array) -> jax.Array:
+    """[B, T, len(taps), D] from per-layer residual states and the final normed ``hidden``
+    (T x 0 x D when no taps were asked for)."""
+    b, t, d = hidden.shape
+    collected = {**collected, FINAL_NORMED: hidden}
+    return (jnp.stack([collected[i] for i in taps], axis=2) if taps
+            else jnp.zeros((b, t, 0, d), hidden.dtype))
 
 
 def _decoder(params, cfg, tokens, positions, cache, mask, taps, fresh):
@@ -200,32 +174,31 @@ def _decoder(params, cfg, tokens, positions, cache, mask, taps, fresh):
     Returns ``(hidden [B, T, D], tap_states [B, T, n_taps, D], ks, vs)``: per layer the updated
     cache rows, or (``fresh``) the new tokens' keys/values [B * K, T, H].
     """
-    for i in taps:
-        if not 0 <= i <= cfg.n_layers:
-            raise ValueError(f"tap layer {i} is outside [0, {cfg.n_layers}]")
-    b, t = tokens.shape
-    x = params["embed"][tokens]
+    _check_taps(cfg, taps)
+    x = embed(params, tokens)
     cos, sin = rope_tables(cfg, positions)
-    if fresh:
-        committed = jnp.arange(cache.capacity)[None, None, :] < cache.lengths[:, None, None]
-        visible = _per_kv_row(cfg, jnp.broadcast_to(committed, (b, t, cache.capacity)))
-        among = jnp.tril(jnp.ones((t, t), bool)) if mask is None else mask
-        visible_new = _per_kv_row(cfg, jnp.broadcast_to(among, (b, t, t)))
-    else:
-        visible = _per_kv_row(cfg, visible_slots(cache.lengths, cache.capacity, mask, t))
-        visible_new = None
+    rule, fresh_rule = _rules(cache, mask, fresh)
     collected = {0: x} if 0 in taps else {}
     ks, vs = [], []
     for i, p in enumerate(params["layers"]):
         x, k_out, v_out = _layer(cfg, p, x, cos, sin, cache.k[i], cache.v[i], cache.lengths,
-                                 visible, visible_new)
+                                 rule, fresh_rule)
         ks.append(k_out)
         vs.append(v_out)
         if i + 1 in taps:
             collected[i + 1] = x
-    tap_states = (jnp.stack([collected[i] for i in taps], axis=2) if taps
-                  else jnp.zeros((b, t, 0, cfg.d_model), x.dtype))
-    return rms_norm(x, params["final_norm"], cfg.norm_eps), tap_states, tuple(ks), tuple(vs)
+    hidden = final_norm(params, cfg, x)
+    return hidden, _stack_taps(collected, taps, hidden), tuple(ks), tuple(vs)
+
+
+def embed(params: dict, tokens: jax.Array) -> jax.Array:
+    """Token embeddings [..., D] of ``tokens`` [...] (the residual stream's start, tap 0)."""
+    return params["embed"][tokens]
+
+
+def final_norm(params: dict, cfg: ModelConfig, x: jax.Array) -> jax.Array:
+    """The final RMSNorm of a residual state [..., D] (the input of :func:`lm_head`)."""
+    return rms_norm(x, params["final_norm"], cfg.norm_eps)
 
 
 def forward_hidden(
@@ -258,12 +231,18 @@ def forward_hidden(
     return hidden, tap_states, cache_lib.KVCache(ks, vs, cache.lengths)
 
 
-def lm_head(params: dict, cfg: ModelConfig, hidden: jax.Array) -> jax.Array:
+def lm_head(params: dict, cfg: ModelConfig, hidden: jax.Array,
+            vocab_ids: jax.Array | None = None) -> jax.Array:
     """Float32 logits [..., V] from final hidden states [..., D].
 
     A tied head multiplies by ``embed`` [V, D]; an untied one by ``lm_head`` [D, V], or by
-    its one-row copy ``lm_head_t`` [V, D] for a single row.
+    its one-row copy ``lm_head_t`` [V, D] for a single row. With ``vocab_ids`` [V'] (a reduced
+    draft vocabulary, say) only those rows of the head are gathered and the logits are
+    [..., V'], in the order of ``vocab_ids``.
     """
+    if vocab_ids is not None:
+        w = (params["embed"] if cfg.tie_embeddings else params["lm_head"].T)[vocab_ids]  # [V', D]
+        return jnp.einsum("...d,vd->...v", hidden, w, preferred_element_type=jnp.float32)
     if cfg.tie_embeddings:
         return jnp.einsum("...d,vd->...v", hidden, params["embed"], preferred_element_type=jnp.float32)
     if np.prod(hidden.shape[:-1]) == 1 and "lm_head_t" in params:
@@ -310,6 +289,74 @@ def forward_fresh(
     hidden, tap_states, ks, vs = _decoder(params, cfg, tokens, positions, cache, mask, taps,
                                           fresh=True)
     return lm_head(params, cfg, hidden), tap_states, cache_lib.Fresh(ks, vs)
+
+
+def encode(
+    params: dict,
+    cfg: ModelConfig,
+    tokens: jax.Array,
+    positions: jax.Array,
+    segment_ids: jax.Array,
+    taps: tuple[int, ...] = (),
+) -> tuple[jax.Array, jax.Array]:
+    """Teacher-forced, cache-free forward over packed sequences (training data, taps).
+
+    Each row packs several sequences; a token attends causally to the earlier tokens of its
+    own segment only, so every sequence gets exactly the states it would get alone. The
+    next-token distribution stays bounded in memory: the final normed states are returned, and
+    :func:`token_log_probs` (or :func:`lm_head` on a slice) recomputes logits from them chunk by
+    chunk instead of materialising [B, T, V].
+
+    Args:
+      params, cfg: the target.
+      tokens: [B, T] int32 token ids.
+      positions: [B, T] int32 RoPE positions, restarting at 0 with every segment.
+      segment_ids: [B, T] int32; equal ids share a sequence (padding gets its own id, 0).
+      taps: residual-stream layer ids to return (module docstring, **Taps**).
+    Returns:
+      hidden: [B, T, D] final normed states (the input of :func:`lm_head`).
+      tap_states: [B, T, len(taps), D].
+    """
+    _check_taps(cfg, taps)
+    x = embed(params, tokens)
+    cos, sin = rope_tables(cfg, positions)
+    rule = attn.Intersect((attn.Causal(), attn.Segments(segment_ids, segment_ids)))
+    collected = {0: x} if 0 in taps else {}
+    for i, p in enumerate(params["layers"]):
+        q, k, v = layers.project_qkv(p, cfg, rms_norm(x, p["attn_norm"], cfg.norm_eps), cos, sin)
+        x = x + layers.attention_out(
+            p, cfg, q, [attn.KeyBlock(layers.kv_rows(k), layers.kv_rows(v), rule)])
+        x = x + layers.mlp(p, cfg, x)
+        if i + 1 in taps:
+            collected[i + 1] = x
+    hidden = final_norm(params, cfg, x)
+    return hidden, _stack_taps(collected, taps, hidden)
+
+
+def token_log_probs(params: dict, cfg: ModelConfig, hidden: jax.Array, targets: jax.Array,
+                    chunk: int = 256) -> jax.Array:
+    """log p(targets) under the LM head, [B, T] float32, computed ``chunk`` positions at a time.
+
+    Only [B, chunk, V] logits exist at once (a 2k-token row of a 49k vocabulary would
+    otherwise take 400 MB in float32).
+
+    Args:
+      hidden: [B, T, D] final normed states (:func:`encode`).
+      targets: [B, T] int32 token ids to score (usually the next tokens).
+      chunk: positions per step; T is padded up to a multiple of it.
+    """
+    b, t, d = hidden.shape
+    pad = -t % chunk
+    h = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0))).reshape(b, -1, chunk, d).transpose(1, 0, 2, 3)
+    y = jnp.pad(targets, ((0, 0), (0, pad))).reshape(b, -1, chunk).transpose(1, 0, 2)
+
+    def one(args):
+        hc, yc = args
+        logp = jax.nn.log_softmax(lm_head(params, cfg, hc), axis=-1)  # [B, chunk, V]
+        return jnp.take_along_axis(logp, yc[..., None], axis=-1)[..., 0]
+
+    out = jax.lax.map(one, (h, y))  # [T / chunk, B, chunk]
+    return out.transpose(1, 0, 2).reshape(b, -1)[:, :t]
 
 
 def prefill(params: dict, cfg: ModelConfig, prompt: jax.Array, prompt_len: jax.Array, capacity: int,
