@@ -18,7 +18,7 @@ import numpy as np
 
 from specjax import decode, sampling
 from specjax.config import ModelConfig
-from specjax.models import target
+from specjax import targets as targets_lib
 from specjax.targets import DecoderTarget
 
 PROMPT_BUCKET = 32
@@ -146,24 +146,24 @@ def generate_tokens(
                          f"{max_new_tokens} exceeds the model's context of "
                          f"{cfg.max_position_embeddings} positions")
     # Scratch past the committed tokens: a verify pass's nodes, or a bf16 step's second row.
-    extra = target.step_tokens(cfg) - 1 if drafter is None else drafter.n_nodes
+    tgt = DecoderTarget(cfg)
+    extra = targets_lib.step_tokens(tgt) - 1 if drafter is None else drafter.n_nodes
     # The prefill writes the whole padded width, so the cache must hold it too.
     capacity = cache_size or round_up(max(need + extra, tokens.shape[1]), CACHE_MULTIPLE)
     decode.check_capacity(int(lengths.max()), max_new_tokens, capacity, extra)
     if tokens.shape[1] > capacity:
         raise ValueError(f"padded prompt width {tokens.shape[1]} exceeds the cache of {capacity} "
                          "slots; raise cache_size")
-    if drafter is not None and hasattr(drafter, "check_target"):
-        drafter.check_target(cfg)
+    if drafter is not None:
+        targets_lib.check_drafter(tgt, drafter)
     sp = sampling.SamplingParams.make(len(prompts), temperature, top_k, top_p)
-    statics = dict(cfg=cfg, max_new_tokens=max_new_tokens, capacity=capacity,
+    statics = dict(target=tgt, max_new_tokens=max_new_tokens, capacity=capacity,
                    stop_tokens=tuple(int(t) for t in stop_tokens))
     prompt, prompt_len, rng = jnp.asarray(tokens), jnp.asarray(lengths), jax.random.key(seed)
     if drafter is None:
         fn, args = decode.generate, (params, prompt, prompt_len, sp, rng)
     else:
         fn, args = decode.speculative_generate, (params, drafter_params, prompt, prompt_len, sp, rng)
-        statics["target"] = DecoderTarget(statics.pop("cfg"))
         statics["drafter"] = drafter
     exe, compile_s = _compiled(fn, args, statics)
     t0 = time.perf_counter()

@@ -22,10 +22,8 @@ import numpy as np
 from specjax import sampling
 from specjax import tree as tree_lib
 from specjax import verify as verify_lib
-from specjax.config import ModelConfig
+from specjax import targets as targets_lib
 from specjax.drafters.base import Accepted, Context, Prefill, Proposal
-from specjax.models import cache as cache_lib
-from specjax.models import target as decoder
 
 
 @jax.tree_util.register_dataclass
@@ -57,7 +55,7 @@ class PlainState:
       n_generated: [B] int32.
       done: [B] bool, rows that hit a stop token or the token limit.
       stopped: [B] bool, rows that hit a stop token.
-      cache: the target KV cache (``lengths`` = prompt + generated - 1 for running rows).
+      cache: the target's cache (holding prompt + generated - 1 tokens for running rows).
       rng: the base PRNG key; step ``i`` of row ``b`` uses ``fold_in(fold_in(rng, b), i)``.
     """
 
@@ -67,7 +65,7 @@ class PlainState:
     n_generated: jax.Array
     done: jax.Array
     stopped: jax.Array
-    cache: cache_lib.KVCache
+    cache: object
     rng: jax.Array
 
 
@@ -84,8 +82,8 @@ def is_stop(tokens: jax.Array, stop_tokens: tuple[int, ...]) -> jax.Array:
     return jnp.isin(tokens, jnp.asarray(stop_tokens, tokens.dtype))
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "max_new_tokens", "capacity", "stop_tokens",
-                                             "pad_id"))
+@functools.partial(jax.jit, static_argnames=("target", "max_new_tokens", "capacity",
+                                             "stop_tokens", "pad_id"))
 def generate(
     params: dict,
     prompt: jax.Array,
@@ -93,7 +91,7 @@ def generate(
     sp: sampling.SamplingParams,
     rng: jax.Array,
     *,
-    cfg: ModelConfig,
+    target,
     max_new_tokens: int,
     capacity: int,
     stop_tokens: tuple[int, ...] = (),
@@ -107,18 +105,19 @@ def generate(
       prompt_len: [B] int32 true prompt lengths.
       sp: per-row sampling parameters (temperature 0 = greedy).
       rng: a PRNG key.
-      cfg: the target config (static).
+      target: a static target object (:class:`specjax.targets.Target`), e.g.
+        ``DecoderTarget(cfg)``; only its required methods are used.
       max_new_tokens: tokens to generate per row at most (static).
-      capacity: cache slots per row; must be >= P + max_new_tokens + 1 (static; checked by
-        :func:`check_capacity`, called by the high-level API; the + 1 is the scratch slot of
-        a bfloat16 step).
+      capacity: cache slots per row; must be >= P + max_new_tokens + step_tokens - 1 (static;
+        checked by :func:`check_capacity`, called by the high-level API; the extra slot is
+        the scratch of a bfloat16 step).
       stop_tokens: token ids that end a row (static).
       pad_id: filler for the output past each row's end.
     Returns:
       A :class:`Generation`.
     """
     b = prompt.shape[0]
-    logits, _, cache = decoder.prefill(params, cfg, prompt, prompt_len, capacity)
+    logits, _, cache = target.prefill(params, prompt, prompt_len, capacity)
     first = sampling.sample_rows(row_keys(rng, b, jnp.int32(0)), logits, sp)
     first_stop = is_stop(first, stop_tokens)
     out = jnp.full((b, max_new_tokens), pad_id, jnp.int32).at[:, 0].set(first)
@@ -129,16 +128,17 @@ def generate(
     def cond(s: PlainState):
         return (s.step < max_new_tokens) & ~jnp.all(s.done)
 
-    rows = decoder.step_tokens(cfg)  # 2 in bfloat16: the copy's key/value is scratch
+    rows = targets_lib.step_tokens(target)  # 2 in bfloat16: the copy's key/value is scratch
+    root_path = jnp.zeros((b, 1), jnp.int32)
 
     def body(s: PlainState):
-        positions = s.cache.lengths[:, None] + jnp.arange(rows)[None, :]
+        positions = (prompt_len + s.n_generated - 1)[:, None] + jnp.arange(rows)[None, :]
         tokens = jnp.repeat(s.last[:, None], rows, axis=1)
-        logits, _, cache = decoder.forward(params, cfg, tokens, positions, s.cache)
+        logits, _, cache = target.forward(params, tokens, positions, s.cache, None)
         tok = sampling.sample_rows(row_keys(s.rng, b, s.step), logits[:, 0], sp)
         running = ~s.done
         # Finished rows stop advancing their cache so they can never run past capacity.
-        cache = cache_lib.advance(cache, running.astype(jnp.int32))
+        cache = target.commit(cache, root_path, running.astype(jnp.int32))
         tok = jnp.where(running, tok, pad_id)
         out = jax.lax.dynamic_update_slice(s.out, tok[:, None], (0, s.step))
         hit = running & is_stop(tok, stop_tokens)
@@ -222,9 +222,11 @@ class SpecState:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class SpecGeneration(Generation):
-    """A :class:`Generation` plus speculative statistics (``stats``: :class:`SpecStats`)."""
+    """A :class:`Generation` plus speculative statistics (``stats``: :class:`SpecStats`) and,
+    when asked for (``return_dstate``), the drafter's final state (else None)."""
 
     stats: SpecStats = None
+    dstate: object = None
 
 
 def _usable(proposal: Proposal, vocab_size: int) -> jax.Array:
@@ -252,7 +254,7 @@ def _first_stop(emitted: jax.Array, count: jax.Array, stop_tokens: tuple[int, ..
 
 
 @functools.partial(jax.jit, static_argnames=("target", "drafter", "max_new_tokens", "capacity",
-                                             "stop_tokens", "pad_id"))
+                                             "stop_tokens", "pad_id", "return_dstate"))
 def speculative_generate(
     params: dict,
     drafter_params,
@@ -267,6 +269,7 @@ def speculative_generate(
     capacity: int,
     stop_tokens: tuple[int, ...] = (),
     pad_id: int = 0,
+    return_dstate: bool = False,
 ) -> SpecGeneration:
     """Speculative generation: prefill, then a ``lax.while_loop`` of propose -> verify -> commit.
 
@@ -292,6 +295,8 @@ def speculative_generate(
       capacity: target cache slots; >= P + max_new_tokens + drafter.n_nodes (static).
       stop_tokens: static ids that end a row.
       pad_id: filler past each row's end.
+      return_dstate: also return the drafter's final state (static; it may be large, such as
+        a drafter's own cache, so it is dropped by default).
     Returns:
       A :class:`SpecGeneration`.
     """
@@ -304,7 +309,8 @@ def speculative_generate(
     seq = jnp.full((b, width), pad_id, jnp.int32).at[:, :p].set(prompt)
     seq = jax.vmap(lambda s, t, i: s.at[i].set(t))(seq, first, prompt_len)
     first_stop = is_stop(first, stop_tokens)
-    dstate = drafter.init(drafter_params, Prefill(prompt, prompt_len, prefill_taps, capacity))
+    dstate = drafter.init(drafter_params,
+                          Prefill(prompt, prompt_len, prefill_taps, first, capacity))
     zeros = jnp.zeros((b,), jnp.int32)
     state = SpecState(
         seq=seq, seq_len=prompt_len + 1, n_generated=jnp.ones((b,), jnp.int32),
@@ -338,15 +344,16 @@ def speculative_generate(
             anc = tree_lib.ancestor_mask(proposal.parents)  # [B, N, N]
             depth = jnp.sum(anc, axis=-1, dtype=jnp.int32) - 1
         positions = (s.seq_len - 1)[:, None] + depth  # the root sits at committed length
-        m = min(n, getattr(target, "step_tokens", 1))
-        if m < n and hasattr(target, "forward_fresh"):
+        fast = targets_lib.fresh_pass(target)
+        m = min(n, targets_lib.step_tokens(target))
+        if m < n and fast is not None:
             # A cycle in which no running row has a draft (prompt lookup found nothing, say)
             # scores just the first m nodes: a plain step's cost instead of an N-node pass.
             # The cache is only read inside the cond and written after it; written inside,
             # XLA would copy every layer's cache on every cycle.
             def score(width):
-                return target.forward_fresh(params, tokens[:, :width], positions[:, :width],
-                                            s.cache, anc[:, :width, :width], drafter.taps)
+                return fast.forward_fresh(params, tokens[:, :width], positions[:, :width],
+                                          s.cache, anc[:, :width, :width], drafter.taps)
 
             def roots_only():  # padded back to N nodes; the padding nodes are invalid
                 return jax.tree.map(
@@ -354,7 +361,7 @@ def speculative_generate(
 
             any_draft = jnp.any(running[:, None] & node_valid[:, 1:])
             t_logits, t_taps, fresh = jax.lax.cond(any_draft, lambda: score(n), roots_only)
-            cache = target.write_fresh(s.cache, fresh)
+            cache = fast.write_fresh(s.cache, fresh)
         else:
             t_logits, t_taps, cache = target.forward(params, tokens, positions, s.cache, anc,
                                                      drafter.taps)
@@ -374,7 +381,7 @@ def speculative_generate(
         done = s.done | hit | (n_generated >= max_new_tokens)
         path_taps = jnp.take_along_axis(t_taps, res.path[:, :, None, None], axis=1)
         accepted = Accepted(Proposal(tokens, proposal.parents, node_valid, draft_logits),
-                            res.path, n_acc, path_taps)
+                            res.path, n_acc, count, path_taps)
         dstate = drafter.commit(drafter_params, dstate, Context(seq, seq_len, sp), accepted)
         st = s.stats
         stats = SpecStats(
@@ -392,4 +399,4 @@ def speculative_generate(
     out = jnp.take_along_axis(state.seq, idx, axis=1)
     out = jnp.where(jnp.arange(max_new_tokens)[None, :] < state.n_generated[:, None], out, pad_id)
     return SpecGeneration(tokens=out, n_generated=state.n_generated, stopped=state.stopped,
-                          stats=state.stats)
+                          stats=state.stats, dstate=state.dstate if return_dstate else None)

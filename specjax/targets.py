@@ -1,45 +1,152 @@
-"""The target protocol: what the speculative loop asks of the model whose output it preserves.
+"""The target protocol: what the generation loops ask of the model whose output they preserve.
 
-A target is a frozen, hashable object (a static argument of ``jax.jit``) with pure methods::
+A target is a frozen, hashable object (a static argument of ``jax.jit``) with pure methods.
+:class:`Target` names what every target must have; both plain and speculative generation
+(:mod:`specjax.decode`) drive a target through it alone, so a foreign JAX stack that implements
+these three functions gets the plain baseline and every training-free drafter::
 
     prefill(params, prompt[B, P], prompt_len[B], capacity, taps)
         -> (last_logits[B, V], taps[B, P, n, E], cache)
-    forward(params, tokens[B, T], positions[B, T], cache, mask[B, T, T], taps)
+    forward(params, tokens[B, T], positions[B, T], cache, mask[B, T, T] | None, taps)
         -> (logits[B, T, V], taps[B, T, n, E], cache)
     commit(cache, path[B, D + 1], n_keep[B]) -> cache
 
 ``cache`` is any pytree. After ``prefill`` it holds each row's prompt; ``forward`` sees the
-committed tokens plus, among its T new tokens, those that ``mask`` allows (ancestor-or-self), at
-``positions`` (committed length + depth); ``commit`` keeps the first ``n_keep`` nodes of
-``path`` (root first) as the next committed tokens, in path order, and forgets the rest.
-:class:`DecoderTarget` implements it for specjax's own decoders; another JAX stack implements
-these three functions for its model (a stateless model may ignore ``cache`` altogether).
+committed tokens plus, among its T new tokens, those that ``mask`` allows (ancestor-or-self;
+None = causal), at ``positions`` (committed length + depth); ``commit`` keeps the first
+``n_keep`` nodes of ``path`` as the next committed tokens, in path order, and forgets the rest.
+``path[:, 0]`` is always node 0 (the root); plain decoding commits ``path = [[0]]``.
 
-Optional, for speed only: ``step_tokens`` (default 1), the fewest query tokens a pass should
-carry, and the pair ``forward_fresh(...) -> (logits, taps, fresh)`` /
-``write_fresh(cache, fresh) -> cache``, which split ``forward`` into a pass that only reads the
-cache and the write of what it computed. With them the loop scores only the roots (a pass of
-``step_tokens`` tokens) in a cycle where no row has a draft.
+Optional, declared by :class:`FreshPassTarget`, for speed only: ``step_tokens`` (the fewest
+query tokens a pass should carry) and the pair ``forward_fresh(...) -> (logits, taps, fresh)``
+/ ``write_fresh(cache, fresh) -> cache``, which split ``forward`` into a pass that only reads
+the cache and the write of what it computed. With them the speculative loop scores only the
+roots (a pass of ``step_tokens`` tokens) in a cycle where no row has a draft.
+
+Drafters that read the target's own weights (EAGLE, DFlash) need :class:`DraftingTarget`:
+``embed``, ``lm_head`` (full, or gathered over a reduced vocabulary), ``final_norm``, the
+sizes, and the tap id of the final normed state; ``check_drafter`` raises a clear error when a
+drafter cannot draft for the target. :class:`DecoderTarget` implements all three protocols for
+specjax's own decoders.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any, Protocol, runtime_checkable
+
+import jax
 
 from specjax.config import ModelConfig
 from specjax.models import cache as cache_lib
 from specjax.models import target
 
 
+@runtime_checkable
+class Target(Protocol):
+    """What every target must provide (module docstring)."""
+
+    vocab_size: int
+
+    def prefill(self, params: Any, prompt: jax.Array, prompt_len: jax.Array, capacity: int,
+                taps: tuple[int, ...] = ()) -> tuple[jax.Array, jax.Array, Any]: ...
+
+    def forward(self, params: Any, tokens: jax.Array, positions: jax.Array, cache: Any,
+                mask: jax.Array | None, taps: tuple[int, ...] = ()
+                ) -> tuple[jax.Array, jax.Array, Any]: ...
+
+    def commit(self, cache: Any, path: jax.Array, n_keep: jax.Array) -> Any: ...
+
+
+@runtime_checkable
+class FreshPassTarget(Target, Protocol):
+    """A target with the optional fast paths (module docstring)."""
+
+    step_tokens: int
+
+    def forward_fresh(self, params: Any, tokens: jax.Array, positions: jax.Array, cache: Any,
+                      mask: jax.Array | None, taps: tuple[int, ...] = ()
+                      ) -> tuple[jax.Array, jax.Array, Any]: ...
+
+    def write_fresh(self, cache: Any, fresh: Any) -> Any: ...
+
+
+@runtime_checkable
+class DraftingTarget(Target, Protocol):
+    """What drafters that reuse the target's weights and states read from it.
+
+    Attributes:
+      n_layers: L, so a drafter can pick its tap layers (EAGLE-3: inputs of 2, L // 2, L - 3).
+      d_model: E, the width of the residual stream and of every tap.
+      final_normed_tap: the tap id of the final normed state (the LM head's input, EAGLE-1's
+        feature); tap ``i`` in ``[0, L]`` is the residual stream after ``i`` layers.
+    """
+
+    n_layers: int
+    d_model: int
+    final_normed_tap: int
+
+    def embed(self, params: Any, tokens: jax.Array) -> jax.Array:
+        """Token embeddings [..., E] of ``tokens`` [...]."""
+        ...
+
+    def lm_head(self, params: Any, hidden: jax.Array,
+                vocab_ids: jax.Array | None = None) -> jax.Array:
+        """Float32 logits [..., V] (or [..., V'] over ``vocab_ids`` [V']) of final normed
+        states [..., E]."""
+        ...
+
+    def final_norm(self, params: Any, x: jax.Array) -> jax.Array:
+        """The final norm of residual states [..., E]."""
+        ...
+
+    def check_drafter(self, drafter: Any) -> None:
+        """Raises ValueError naming the mismatch when ``drafter`` cannot draft for this target."""
+        ...
+
+
+def fresh_pass(tgt: Target) -> FreshPassTarget | None:
+    """``tgt`` when it offers the optional fast paths (:class:`FreshPassTarget`), else None."""
+    return tgt if isinstance(tgt, FreshPassTarget) else None
+
+
+def step_tokens(tgt: Target) -> int:
+    """The fewest query tokens a pass of ``tgt`` should carry (1 unless it declares more)."""
+    return tgt.step_tokens if isinstance(tgt, FreshPassTarget) else 1
+
+
+def check_drafter(tgt: Target, drafter: Any) -> None:
+    """Raises ValueError when ``drafter`` cannot draft for ``tgt``.
+
+    Every drafter's own ``check_target(tgt)`` runs; a :class:`DraftingTarget` also checks the
+    drafter's tap ids against its layers.
+    """
+    if isinstance(tgt, DraftingTarget):
+        tgt.check_drafter(drafter)
+    drafter.check_target(tgt)
+
+
 @dataclasses.dataclass(frozen=True)
 class DecoderTarget:
-    """A specjax decoder (:mod:`specjax.models.target`) as a speculative target."""
+    """A specjax decoder (:mod:`specjax.models.target`) as a target of every protocol above."""
 
     cfg: ModelConfig
 
     @property
     def vocab_size(self) -> int:
         return self.cfg.vocab_size
+
+    @property
+    def n_layers(self) -> int:
+        return self.cfg.n_layers
+
+    @property
+    def d_model(self) -> int:
+        return self.cfg.d_model
+
+    @property
+    def final_normed_tap(self) -> int:
+        return target.FINAL_NORMED
 
     @property
     def step_tokens(self) -> int:
@@ -60,3 +167,20 @@ class DecoderTarget:
 
     def commit(self, cache, path, n_keep):
         return cache_lib.commit(cache, path, n_keep)
+
+    def embed(self, params, tokens):
+        return target.embed(params, tokens)
+
+    def lm_head(self, params, hidden, vocab_ids=None):
+        return target.lm_head(params, self.cfg, hidden, vocab_ids)
+
+    def final_norm(self, params, x):
+        return target.final_norm(params, self.cfg, x)
+
+    def check_drafter(self, drafter) -> None:
+        for i in drafter.taps:
+            if not (0 <= i <= self.cfg.n_layers or i == target.FINAL_NORMED):
+                raise ValueError(
+                    f"the drafter taps layer {i}, but the target has layers 0..{self.cfg.n_layers}"
+                    f" (and {target.FINAL_NORMED} for the final normed state); drafter and "
+                    "target mismatch")

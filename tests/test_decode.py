@@ -11,6 +11,7 @@ from specjax import api, decode
 from specjax.config import ModelConfig
 from specjax.models import cache as cache_lib
 from specjax.models import target
+from specjax.targets import DecoderTarget
 
 TINY = ModelConfig(arch="llama", vocab_size=61, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
                    head_dim=8, d_ff=48)
@@ -97,7 +98,7 @@ def test_generation_is_one_while_loop_without_host_callbacks():
     prompt, lengths = api.pad_prompts(PROMPTS)
     sp = api.sampling.SamplingParams.make(3)
     jaxpr = jax.make_jaxpr(lambda *a: decode.generate(
-        *a, cfg=TINY, max_new_tokens=8, capacity=64))(PARAMS, prompt, lengths, sp,
+        *a, target=DecoderTarget(TINY), max_new_tokens=8, capacity=64))(PARAMS, prompt, lengths, sp,
                                                       jax.random.key(0))
     text = str(jaxpr)
     assert text.count("while[") == 1

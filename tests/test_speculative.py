@@ -59,6 +59,9 @@ class OracleTreeDrafter:
     def max_depth(self):
         return self.static_tree.max_depth
 
+    def check_target(self, target):
+        """Any target: the drafts come from the known continuation."""
+
     def init(self, ref, prefill):
         return prefill.prompt_len, jnp.int32(0)  # and the cycle count
 
@@ -429,6 +432,48 @@ def test_the_law_test_has_power_against_a_lying_drafter():
 def test_foreign_stack_greedy_equals_argmax_chain():
     got = _sample_foreign(FOREIGN, Q_TABLE, 0.0, 0, 1.0, 3, seed=0)
     assert (got == np.array(_greedy_chain(3, 3))).all()
+
+
+def test_foreign_target_gets_the_plain_baseline_through_the_protocol():
+    from specjax.targets import Target, fresh_pass
+
+    tgt = BigramTarget()
+    assert isinstance(tgt, Target) and fresh_pass(tgt) is None
+    sp = sampling.SamplingParams.make(2, 0.0)
+    out = decode.generate(P_TABLE, jnp.full((2, 2), 3, jnp.int32), jnp.full((2,), 2, jnp.int32),
+                          sp, jax.random.key(0), target=tgt, max_new_tokens=5, capacity=16)
+    np.testing.assert_array_equal(np.asarray(out.tokens), [_greedy_chain(3, 5)] * 2)
+
+
+def _recording_init(params, prefill):
+    # (first token seen by init, tokens committed so far, cycles with a running row)
+    b = prefill.prompt.shape[0]
+    return prefill.first, jnp.zeros((b,), jnp.int32), jnp.zeros((b,), jnp.int32)
+
+
+def _recording_commit(params, dstate, ctx, accepted):
+    first, committed, ran = dstate
+    return first, committed + accepted.n_committed, ran + (accepted.n_committed > 0)
+
+
+def test_init_sees_the_first_token_and_accepted_counts_committed_tokens():
+    drafter = FunctionDrafter(_foreign_chain_propose, n_nodes=4, max_depth=3,
+                              init_fn=_recording_init, commit_fn=_recording_commit)
+    rows = 6
+    sp = sampling.SamplingParams.make(rows, [0.0, 1.0, 1.0, 0.0, 1.0, 1.0])
+    prompt = jnp.full((rows, 2), 3, jnp.int32)
+    # Stop token 5 ends some rows early, so finished rows sit out later cycles.
+    out = decode.speculative_generate(
+        P_TABLE, Q_TABLE, prompt, jnp.full((rows,), 2, jnp.int32), sp, jax.random.key(3),
+        target=BigramTarget(), drafter=drafter, max_new_tokens=9, capacity=32, stop_tokens=(5,),
+        return_dstate=True)
+    first, committed, ran = out.dstate
+    np.testing.assert_array_equal(first, out.tokens[:, 0])
+    # Every generated token after the first was committed in some cycle, none twice.
+    np.testing.assert_array_equal(committed, out.n_generated - 1)
+    # A running row commits at least one token per cycle: cycles counted by the loop's stats
+    # are exactly the cycles in which the row reported n_committed > 0.
+    np.testing.assert_array_equal(ran, out.stats.cycles)
 
 
 BINARY = StaticTree.kary(2, 2)  # the root, two children, four grandchildren

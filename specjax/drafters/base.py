@@ -7,6 +7,10 @@ argument of ``jax.jit``) whose three methods are pure functions of arrays::
     propose(params, dstate, ctx: Context, rng) -> (Proposal, dstate)
     commit(params, dstate, ctx: Context, accepted: Accepted) -> dstate
 
+plus a host-side ``check_target(target)`` that raises ValueError when it cannot draft for a
+target (:mod:`specjax.targets`; a drafter that reads the target's weights checks widths and
+vocabularies there).
+
 ``propose`` returns a state too: a drafter that runs a model keeps the keys/values it computed
 while drafting (those of the drafts the target accepts are reused next cycle), and ``commit``
 then decides how much of that to keep.
@@ -63,12 +67,15 @@ class Prefill:
       prompt_len: [B] int32.
       taps: [B, P, n, E] target residual states at the drafter's ``taps`` for every prompt
         position (n = 0 when the drafter asked for none).
+      first: [B] int32 the first generated token of each row, sampled from the prefill's last
+        logits: the root of the first cycle, which the target has not seen yet.
       capacity: static cache capacity the target uses (drafters size their caches from it).
     """
 
     prompt: jax.Array
     prompt_len: jax.Array
     taps: jax.Array
+    first: jax.Array
     capacity: int = dataclasses.field(metadata=dict(static=True))
 
 
@@ -106,12 +113,18 @@ class Accepted:
       path: [B, D + 1] int32 node indices root first, padded with 0.
       n_accepted: [B] int32 accepted drafts (root excluded); rows that did not run this cycle
         (finished, or fallen back to plain decoding) report 0.
+      n_committed: [B] int32 tokens appended to the row's sequence this cycle: the accepted
+        drafts plus the bonus token, cut at a stop token or ``max_new_tokens``; 0 exactly for
+        rows that did not run, so a running row that accepted nothing reports 1. The target
+        cache keeps the root and the accepted drafts (``n_accepted + 1`` path nodes) of every
+        running row.
       taps: [B, D + 1, n, E] target residual states of the path's nodes (root first).
     """
 
     proposal: Proposal
     path: jax.Array
     n_accepted: jax.Array
+    n_committed: jax.Array
     taps: jax.Array
 
 
@@ -130,13 +143,16 @@ class Drafter(Protocol):
 
     def commit(self, params: Any, dstate: Any, ctx: Context, accepted: Accepted) -> Any: ...
 
+    def check_target(self, target: Any) -> None: ...
+
 
 @dataclasses.dataclass(frozen=True)
 class FunctionDrafter:
     """A drafter made of three plain functions, for stacks that bring their own.
 
     The functions must be hashable (module-level functions are) because the drafter is a
-    static argument of ``jax.jit``; ``init`` and ``commit`` default to a stateless drafter.
+    static argument of ``jax.jit``; ``init`` and ``commit`` default to a stateless drafter,
+    ``check_target`` to accepting any target.
     """
 
     propose_fn: Callable[[Any, Any, Context, jax.Array], tuple[Proposal, Any]]
@@ -144,8 +160,13 @@ class FunctionDrafter:
     max_depth: int
     init_fn: Callable[[Any, Prefill], Any] | None = None
     commit_fn: Callable[[Any, Any, Context, Accepted], Any] | None = None
+    check_fn: Callable[[Any], None] | None = None
     taps: tuple[int, ...] = ()
     static_tree: Any = None
+
+    def check_target(self, target):
+        if self.check_fn is not None:
+            self.check_fn(target)
 
     def init(self, params, prefill):
         return () if self.init_fn is None else self.init_fn(params, prefill)

@@ -57,11 +57,12 @@ class DraftModelDrafter:
         draft_params = dict(params, layers=tuple(params["layers"][:n_layers]))
         return cls(cfg.replace(n_layers=n_layers), draft_len), draft_params
 
-    def check_target(self, target_cfg: ModelConfig):
-        """Raises ValueError when this draft model cannot draft for ``target_cfg``."""
-        if self.cfg.vocab_size != target_cfg.vocab_size:
+    def check_target(self, target) -> None:
+        """Raises ValueError when this draft model cannot draft for ``target``
+        (:mod:`specjax.targets`): the vocabularies must be the same."""
+        if self.cfg.vocab_size != target.vocab_size:
             raise ValueError(f"draft model vocabulary ({self.cfg.vocab_size}) differs from the "
-                             f"target's ({target_cfg.vocab_size}); drafter and target mismatch")
+                             f"target's ({target.vocab_size}); drafter and target mismatch")
 
     @property
     def n_nodes(self) -> int:

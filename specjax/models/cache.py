@@ -135,22 +135,27 @@ def commit(cache: KVCache, path: jax.Array, n_keep: jax.Array) -> KVCache:
     """Keeps an accepted path of freshly written nodes, compacted to contiguous slots.
 
     After a pass over N nodes written at slots ``[lengths, lengths + N)``, node ``path[b, j]`` is
-    moved to slot ``lengths[b] + j`` for every j (all P of them are gathered before any is
+    moved to slot ``lengths[b] + j`` for every j (all of them are gathered before any is
     written, so overlapping moves are safe) and ``lengths`` grows by ``n_keep``. Entries beyond
-    ``n_keep`` land past the new length, where they are harmless scratch.
+    ``n_keep`` land past the new length, where they are harmless scratch. ``path[:, 0]`` is the
+    root, node 0, already at slot ``lengths``: it is not moved, so a one-entry path (a plain
+    decoding step) is just :func:`advance`.
 
     Args:
       cache: the cache after the verify pass.
-      path: [B, P] int32 node indices (0 = first node written), root first.
+      path: [B, P] int32 node indices (0 = first node written), root (0) first.
       n_keep: [B] int32, how many leading path entries to keep (accepted drafts + root).
     Returns:
       The cache with the path compacted and lengths advanced.
     """
+    if path.shape[1] == 1:
+        return advance(cache, n_keep)
     rows_per_b = cache.k[0].shape[0] // cache.batch
-    slots = jnp.repeat(cache.lengths[:, None] + path, rows_per_b, axis=0)  # [B * K, P]
+    slots = jnp.repeat(cache.lengths[:, None] + path[:, 1:], rows_per_b, axis=0)  # [B * K, P - 1]
 
     def move(buf):
-        return write_rows(buf, jnp.take_along_axis(buf, slots[:, :, None], axis=1), cache.lengths)
+        return write_rows(buf, jnp.take_along_axis(buf, slots[:, :, None], axis=1),
+                          cache.lengths + 1)
 
     return KVCache(
         k=tuple(move(b) for b in cache.k),
