@@ -169,6 +169,12 @@ def _kept(z: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
     t_k = jnp.where(top_k > 0, kth, -jnp.inf)  # [B, ..., 1]
     # top-p sees the distribution renormalised after top-k (HF applies the warpers in turn).
     probs = jax.nn.softmax(jnp.where(zs >= t_k, zs, -jnp.inf), axis=-1)  # [B, ..., V] sorted
+    return z >= jnp.maximum(t_k, _top_p_threshold(zs, probs, top_p))
+
+
+def _top_p_threshold(zs: jax.Array, probs: jax.Array, top_p: jax.Array) -> jax.Array:
+    """The smallest kept logit of top-p over descending logits ``zs`` [..., W] whose
+    probabilities (after top-k) are ``probs`` [..., W]; -inf where top-p is off."""
     cum = jnp.cumsum(probs, axis=-1)
     # Mass of the strictly more probable tokens; a token is kept while it is below top_p.
     # Shifting the inclusive sum (rather than subtracting) keeps position 0 at exactly 0,
@@ -176,8 +182,50 @@ def _kept(z: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
     mass_before = jnp.concatenate([jnp.zeros_like(cum[..., :1]), cum[..., :-1]], axis=-1)
     t_p = jnp.min(jnp.where(mass_before < top_p, zs, jnp.inf), axis=-1, keepdims=True)
     # top_p = 1 must keep everything even when float32 rounding makes the cumsum hit 1 early.
-    t_p = jnp.where(top_p < 1, t_p, -jnp.inf)
-    return z >= jnp.maximum(t_k, t_p)
+    return jnp.where(top_p < 1, t_p, -jnp.inf)
+
+
+TOP_CANDIDATES = 64  # the fast path's candidate set: the W largest logits of each row
+
+
+def _kept_fast(z: jax.Array, top_k: jax.Array, top_p: jax.Array, greedy: jax.Array):
+    """:func:`_kept` from each row's ``TOP_CANDIDATES`` largest logits instead of a full sort.
+
+    ``lax.top_k`` of 64 out of 49152 logits took ~8 ms for 32 rows on XLA:CPU where the full
+    sort took ~190 ms, and sampled batches (distillation draws with top-k 20, top-p 0.8) paid
+    that every step. The result equals :func:`_kept` whenever every truncated row's kept set
+    lies inside its candidates: top-k already excludes everything past them, or top-p's cut
+    falls inside them.
+
+    Returns:
+      ``(kept [B, ..., V] bool, exact scalar bool)``; when ``exact`` is False the caller must
+      use :func:`_kept` instead.
+    """
+    # Without the barrier XLA:CPU turned the top-k into a full float sort of the row once an
+    # elementwise pass over the whole vocabulary consumed it (~40x slower).
+    vals = lax.optimization_barrier(lax.top_k(z, min(TOP_CANDIDATES, z.shape[-1]))[0])
+    # vals: [B, ..., W] descending
+    w = vals.shape[-1]
+    kth = jnp.take_along_axis(
+        vals, jnp.broadcast_to(jnp.clip(top_k, 1, w) - 1, vals.shape[:-1] + (1,)), axis=-1)
+    t_k = jnp.where(top_k > 0, kth, -jnp.inf)  # [B, ..., 1]; valid where top_k <= W
+    # The top-k renormalisation runs over the whole vocabulary (an elementwise pass, no sort).
+    top = vals[..., :1]
+    denom = jnp.sum(jnp.where(z >= t_k, jnp.exp(z - top), 0.0), axis=-1, keepdims=True)
+    probs = jnp.where(vals >= t_k, jnp.exp(vals - top), 0.0) / denom  # [B, ..., W]
+    beyond_excluded = (top_k > 0) & (top_k <= w) & (vals[..., -1:] < t_k)
+    cut_inside = (top_p < 1) & (jnp.sum(probs, axis=-1, keepdims=True) >= top_p)
+    untruncated = (top_k <= 0) & (top_p >= 1)
+    exact = jnp.all(greedy | untruncated | beyond_excluded | cut_inside)
+    return z >= jnp.maximum(t_k, _top_p_threshold(vals, probs, top_p)), exact
+
+
+def _truncate(z: jax.Array, top_k: jax.Array, top_p: jax.Array, greedy: jax.Array):
+    """Top-k then top-p of temperature-scaled logits ``z`` [B, ..., V] (the arguments as in
+    :func:`_kept`, plus ``greedy`` [B, 1, ..., 1]): the fast candidate path when it is exact,
+    else the full sort."""
+    kept, exact = _kept_fast(z, top_k, top_p, greedy)
+    return lax.cond(exact, lambda: kept, lambda: _kept(z, top_k, top_p))
 
 
 def log_probs(logits: jax.Array, sp: SamplingParams) -> jax.Array:
@@ -202,7 +250,8 @@ def log_probs(logits: jax.Array, sp: SamplingParams) -> jax.Array:
     # Truncation dominates the cost; skip it (a device-side cond, no host sync) when no sampled
     # row truncates.
     truncating = jnp.any(~greedy & ((top_k > 0) | (top_p < 1)))
-    kept = lax.cond(truncating, _kept, lambda z, *_: jnp.ones(z.shape, bool), z, top_k, top_p)
+    kept = lax.cond(truncating, _truncate, lambda z, *_: jnp.ones(z.shape, bool), z, top_k,
+                    top_p, greedy)
     sampled = jax.nn.log_softmax(jnp.where(kept, z, -jnp.inf), axis=-1)
     vocab_ids = lax.broadcasted_iota(jnp.int32, logits.shape, ndim - 1)
     point_mass = jnp.where(vocab_ids == argmax(logits)[..., None], 0.0, -jnp.inf)

@@ -218,3 +218,43 @@ def test_argmax_equals_jnp_argmax_ties_and_non_finite_values_included(dtype):
     got = sampling.argmax(x)
     assert got.dtype == jnp.int32
     np.testing.assert_array_equal(got, jnp.argmax(x, axis=-1))
+
+
+def test_fast_candidate_truncation_equals_the_full_sort_or_declines():
+    """The top-64 candidate path gives exactly the full sort's kept set whenever it says it is
+    exact, and declines (so the sort runs) when the kept set reaches past its candidates."""
+    gen = np.random.default_rng(7)
+    v = 300
+    fast = jax.jit(sampling._kept_fast)
+    full = jax.jit(sampling._kept)
+    cases = [  # (top_k, top_p, logit scale): must be exact
+        (20, 1.0, 3.0), (20, 0.8, 3.0), (1, 1.0, 1.0), (64, 0.9, 2.0), (0, 0.5, 6.0),
+    ]
+    for top_k, top_p, scale in cases:
+        z = jnp.asarray(gen.standard_normal((4, 2, v)) * scale, jnp.float32)
+        tk = jnp.full((4, 1, 1), top_k, jnp.int32)
+        tp = jnp.full((4, 1, 1), top_p, jnp.float32)
+        kept, exact = fast(z, tk, tp, jnp.zeros((4, 1, 1), bool))
+        assert bool(exact), (top_k, top_p)
+        np.testing.assert_array_equal(kept, full(z, tk, tp))
+    # Ties at the top-k boundary spilling past the candidates, top-k beyond them, and top-p
+    # mass that the candidates do not reach: the fast path must decline.
+    ties = jnp.zeros((1, v), jnp.float32).at[0, :3].set(1.0)
+    declined = [
+        (ties, 5, 1.0),
+        (jnp.asarray(gen.standard_normal((1, v)), jnp.float32), 100, 1.0),
+        (jnp.asarray(gen.standard_normal((1, v)) * 0.01, jnp.float32), 0, 0.9),
+    ]
+    for z, top_k, top_p in declined:
+        tk = jnp.full((1, 1), top_k, jnp.int32)
+        tp = jnp.full((1, 1), top_p, jnp.float32)
+        assert not bool(fast(z, tk, tp, jnp.zeros((1, 1), bool))[1]), (top_k, top_p)
+    # log_probs (which picks the path on device) agrees with the full sort in both regimes.
+    for z, top_k, top_p in declined + [(jnp.asarray(gen.standard_normal((1, v)) * 3,
+                                                     jnp.float32), 20, 0.8)]:
+        sp = SamplingParams.make(1, 0.7, top_k, top_p)
+        want = jnp.where(full(z / 0.7, jnp.full((1, 1), top_k), jnp.full((1, 1), top_p)),
+                         jax.nn.log_softmax(jnp.where(full(z / 0.7, jnp.full((1, 1), top_k),
+                                                           jnp.full((1, 1), top_p)),
+                                                      z / 0.7, -jnp.inf)), -jnp.inf)
+        np.testing.assert_allclose(sampling.log_probs(z, sp), want, atol=1e-6, rtol=0)
