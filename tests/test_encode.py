@@ -22,7 +22,7 @@ TAPS = (0, 1, 3, target.FINAL_NORMED)
 TOL = 2e-5
 
 encode = jax.jit(target.encode, static_argnums=1, static_argnames="taps")
-log_probs = jax.jit(target.token_log_probs, static_argnums=1, static_argnames="chunk")
+score = jax.jit(target.score_tokens, static_argnums=1, static_argnames="chunk")
 
 
 def cached_step_by_step(params, cfg, seq):
@@ -52,9 +52,14 @@ def test_encode_matches_cached_decoding_at_every_position(arch):
     # The final normed tap is the hidden state the head reads.
     np.testing.assert_array_equal(taps[0, :, -1], hidden[0])
     nxt = jnp.asarray(np.roll(seq, -1)[None], jnp.int32)
-    lp = log_probs(params, cfg, hidden, nxt, chunk=5)  # 12 positions: 3 chunks, one padded
+    lp, top1 = score(params, cfg, hidden, nxt, chunk=5)  # 12 positions: 3 chunks, one padded
     want = np.take_along_axis(ref_logp, np.roll(seq, -1)[:, None], axis=1)[:, 0]
     np.testing.assert_allclose(lp[0], want, atol=TOL, rtol=0)
+    np.testing.assert_array_equal(top1[0], ref_logp.argmax(-1) == np.roll(seq, -1))
+    # The argmax tokens themselves must all score as top-1.
+    _, top1 = score(params, cfg, hidden, jnp.asarray(ref_logp.argmax(-1)[None], jnp.int32),
+                    chunk=5)
+    assert bool(top1.all())
 
 
 def test_packed_row_equals_each_sequence_alone():

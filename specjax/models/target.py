@@ -304,7 +304,7 @@ def encode(
     Each row packs several sequences; a token attends causally to the earlier tokens of its
     own segment only, so every sequence gets exactly the states it would get alone. The
     next-token distribution stays bounded in memory: the final normed states are returned, and
-    :func:`token_log_probs` (or :func:`lm_head` on a slice) recomputes logits from them chunk by
+    :func:`score_tokens` (or :func:`lm_head` on a slice) recomputes logits from them chunk by
     chunk instead of materialising [B, T, V].
 
     Args:
@@ -333,17 +333,20 @@ def encode(
     return hidden, _stack_taps(collected, taps, hidden)
 
 
-def token_log_probs(params: dict, cfg: ModelConfig, hidden: jax.Array, targets: jax.Array,
-                    chunk: int = 256) -> jax.Array:
-    """log p(targets) under the LM head, [B, T] float32, computed ``chunk`` positions at a time.
+def score_tokens(params: dict, cfg: ModelConfig, hidden: jax.Array, targets: jax.Array,
+                 chunk: int = 256) -> tuple[jax.Array, jax.Array]:
+    """Scores ``targets`` under the LM head, ``chunk`` positions at a time.
 
     Only [B, chunk, V] logits exist at once (a 2k-token row of a 49k vocabulary would
-    otherwise take 400 MB in float32).
+    otherwise take 400 MB in float32), and gradients flow through ``hidden``.
 
     Args:
       hidden: [B, T, D] final normed states (:func:`encode`).
       targets: [B, T] int32 token ids to score (usually the next tokens).
       chunk: positions per step; T is padded up to a multiple of it.
+    Returns:
+      log_probs: [B, T] float32, log p(targets).
+      top1: [B, T] bool, whether each target's logit is the largest (any of tied maxima).
     """
     b, t, d = hidden.shape
     pad = -t % chunk
@@ -352,11 +355,14 @@ def token_log_probs(params: dict, cfg: ModelConfig, hidden: jax.Array, targets: 
 
     def one(args):
         hc, yc = args
-        logp = jax.nn.log_softmax(lm_head(params, cfg, hc), axis=-1)  # [B, chunk, V]
-        return jnp.take_along_axis(logp, yc[..., None], axis=-1)[..., 0]
+        logits = lm_head(params, cfg, hc)  # [B, chunk, V]
+        picked = jnp.take_along_axis(logits, yc[..., None], axis=-1)[..., 0]  # [B, chunk]
+        logp = picked - jax.nn.logsumexp(logits, axis=-1)
+        return logp, picked >= jnp.max(logits, axis=-1)
 
-    out = jax.lax.map(one, (h, y))  # [T / chunk, B, chunk]
-    return out.transpose(1, 0, 2).reshape(b, -1)[:, :t]
+    logp, top1 = jax.lax.map(one, (h, y))  # each [T / chunk, B, chunk]
+    unchunk = lambda x: x.transpose(1, 0, 2).reshape(b, -1)[:, :t]  # noqa: E731
+    return unchunk(logp), unchunk(top1)
 
 
 def prefill(params: dict, cfg: ModelConfig, prompt: jax.Array, prompt_len: jax.Array, capacity: int,

@@ -5,7 +5,7 @@ target's first layers, its final norm and its head) distilled on the target's ow
 
 :class:`DraftModel` holds the drafter's params pytree as NNX variables for
 :func:`specjax.train.loop.train`; :func:`distill_loss` runs the pure target functions
-(``target.forward_hidden`` + ``target.lm_head``) over packed batches; :func:`train` wires in
+(``target.encode`` + ``target.score_tokens``) over packed batches; :func:`train` wires in
 the real-loop evaluation (:mod:`specjax.train.evaluate`). The drafter that comes out is the
 plain pytree drafter of :mod:`specjax.drafters.draft_model`: NNX stays in training.
 """
@@ -18,11 +18,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from specjax import sampling
 from specjax.config import ModelConfig
 from specjax.drafters.draft_model import DraftModelDrafter
 from specjax.io.layout import without_row_weights
-from specjax.models import cache as cache_lib
 from specjax.models import target
 from specjax.train import evaluate, loop
 
@@ -69,15 +67,6 @@ class DraftModel(nnx.Module):
         return out
 
 
-def packed_mask(segment_ids: jax.Array) -> jax.Array:
-    """[B, T, T] bool: token t sees tokens s <= t of its own segment (a causal mask per packed
-    record). Padding (segment 0) sees earlier padding, which keeps every row's diagonal set,
-    as ``target.forward`` requires; its outputs are never scored."""
-    t = segment_ids.shape[1]
-    same = segment_ids[:, :, None] == segment_ids[:, None, :]
-    return same & jnp.tril(jnp.ones((t, t), bool))[None]
-
-
 def distill_loss(model: DraftModel, batch: dict, rng: jax.Array):
     """Cross-entropy of the target's own next tokens, at response positions.
 
@@ -97,20 +86,16 @@ def distill_loss(model: DraftModel, batch: dict, rng: jax.Array):
     del rng
     cfg, params = model.cfg, model.params()
     tokens, segments = batch["tokens"], batch["segment_ids"]
-    b, t = tokens.shape
-    # One fresh cache per batch, empty: the pass attends only among its own tokens, under the
-    # packed mask, at each record's own positions.
-    hidden, _, _ = target.forward_hidden(params, cfg, tokens, batch["positions"],
-                                         cache_lib.init_cache(cfg, b, t), packed_mask(segments))
-    logits = target.lm_head(params, cfg, hidden[:, :-1])  # [B, T - 1, V]
-    labels = tokens[:, 1:]
+    # Cache-free and packed: each record attends causally within itself, at its own positions;
+    # the head runs a chunk of positions at a time, so [B, T, V] logits never exist at once.
+    hidden, _ = target.encode(params, cfg, tokens, batch["positions"], segments)
+    logp, top1 = target.score_tokens(params, cfg, hidden[:, :-1], tokens[:, 1:])  # [B, T - 1]
     weight = (batch["loss_mask"][:, 1:] & (segments[:, 1:] == segments[:, :-1])
               ).astype(jnp.float32)  # [B, T - 1]
-    nll = -jnp.take_along_axis(jax.nn.log_softmax(logits), labels[..., None], axis=-1)[..., 0]
     n = weight.sum()
     denom = jnp.maximum(n, 1.0)
-    accuracy = ((sampling.argmax(logits) == labels) * weight).sum() / denom
-    return (nll * weight).sum() / denom, {"accuracy": accuracy, "loss_tokens": n}
+    accuracy = (top1 * weight).sum() / denom
+    return -(logp * weight).sum() / denom, {"accuracy": accuracy, "loss_tokens": n}
 
 
 def train(target_cfg: ModelConfig, target_params: dict, source: loop.DataSource,
