@@ -164,6 +164,53 @@ def _add_data(sub):
     f.add_argument("--out", default=None,
                    help="output file (default: the one shipped in the specjax package)")
     f.set_defaults(func=_fingerprints)
+    st = data_sub.add_parser(
+        "stats", help="sizes of a distilled data directory; optionally time tap extraction",
+        description="Records, tokens and disk bytes per token of a distilled data directory. "
+                    "With --measure-taps, also time the target's teacher-forced tap extraction "
+                    "on packed batches of it, against the disk that storing those taps would "
+                    "take (specjax.train.taps).")
+    st.add_argument("dir", help="a 'data distill' output directory")
+    st.add_argument("--measure-taps", action="store_true",
+                    help="load the target named in the manifest and time tap extraction")
+    st.add_argument("--taps", default="eagle3,dflash",
+                    help="comma-separated tap sets: eagle3, eagle1, dflash (default: %(default)s)")
+    st.add_argument("--seq-len", type=int, default=1024, help="packed row length (default: %(default)s)")
+    st.add_argument("--batch-size", type=int, default=4, help="packed rows (default: %(default)s)")
+    st.add_argument("--batches", type=int, default=3, help="timed batches (default: %(default)s)")
+    st.set_defaults(func=_data_stats)
+
+
+def _data_stats(args) -> int:
+    import json
+    from pathlib import Path
+
+    from specjax.train import data, taps
+
+    recs = data.Records(args.dir)
+    shard_bytes = sum(p.stat().st_size for p in Path(args.dir).glob("shard-*.npz"))
+    resp = recs.n_response_tokens
+    print(f"{args.dir}: {len(recs)} records in {recs.n_shards_read} shards, {recs.n_tokens} tokens ({resp} response tokens, "
+          f"{int(recs.stopped.sum())} responses ended on a stop token), {shard_bytes / 1e6:.1f} MB "
+          f"on disk = {shard_bytes / max(recs.n_tokens, 1):.2f} bytes per token")
+    if not args.measure_taps:
+        return 0
+    from specjax.io.models import load
+
+    manifest = json.loads((Path(args.dir) / data.MANIFEST).read_text())
+    model = load(manifest["settings"]["target"], dtype=manifest["settings"]["dtype"])
+    print(f"tap extraction, {args.batch_size} x {args.seq_len} packed rows, "
+          f"{model.cfg.dtype}, stored taps in bfloat16:")
+    print("| tap set | taps | extraction tokens/s | stored taps bytes/token | x the records |")
+    print("|---|---|---|---|---|")
+    for name in args.taps.split(","):
+        ids = taps.tap_set(name, model.cfg.n_layers)
+        m = taps.measure(model.cfg, model.params, recs, taps=ids, seq_len=args.seq_len,
+                         batch_size=args.batch_size, batches=args.batches)
+        ratio = m["tap_bytes_per_token"] / (shard_bytes / max(recs.n_tokens, 1))
+        print(f"| {name} | {list(ids)} | {m['tokens_per_s']:.0f} | {m['tap_bytes_per_token']} | "
+              f"{ratio:.0f}x |")
+    return 0
 
 
 def _distill(args) -> int:

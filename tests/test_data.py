@@ -310,3 +310,34 @@ def test_eval_prompts_are_refused(tiny_model, tmp_path, capsys):
     plan = distill.make_plan(cfg, load(tiny_model).tokenizer, fp)
     assert plan.order == [0] and plan.settings["dropped_eval_overlap"] == [
         f"{f}:2 (GSM8K test)"]
+
+
+# ------------------------------------------------------------------------------ taps
+
+
+def test_named_tap_sets_follow_the_reference_rules():
+    from specjax.train import taps
+
+    # DFlash's default for 30 layers rounds 7.5 up to 8 and 20.5 down to 20 (half to even).
+    assert taps.dflash_layer_ids(30, 5) == [1, 8, 14, 20, 27]
+    assert taps.dflash_layer_ids(36, 5) == [1, 9, 17, 25, 33]
+    assert taps.dflash_layer_ids(30, 1) == [15]
+    assert taps.tap_set("eagle3", 30) == (2, 15, 27)
+    assert taps.tap_set("dflash", 30) == (2, 9, 15, 21, 28)  # outputs of those layers
+    with pytest.raises(ValueError, match="unknown tap set 'medusa'"):
+        taps.tap_set("medusa", 30)
+    with pytest.raises(ValueError, match="at least 4 layers"):
+        taps.tap_set("eagle3", 2)
+
+
+def test_data_stats_and_tap_extraction(reference_run, capsys):
+    rc = cli.main(["data", "stats", str(reference_run), "--measure-taps", "--taps", "eagle1",
+                   "--seq-len", "64", "--batch-size", "2", "--batches", "1"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    recs = data.Records(reference_run)
+    assert f"{len(recs)} records" in out and f"{recs.n_tokens} tokens" in out
+    # The eagle1 tap of the tiny target is one state of 32 floats, stored in bfloat16.
+    row = next(line for line in out.splitlines() if line.startswith("| eagle1 "))
+    assert f"| {32 * 2} |" in row
+    assert float(row.split("|")[3]) > 0
