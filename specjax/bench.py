@@ -152,54 +152,28 @@ class SpecjaxEngine:
 def hf_llama_from_params(cfg: ModelConfig, params: dict):
     """An eval-mode float32 ``transformers.LlamaForCausalLM`` holding ``params``.
 
-    Our layout is undone: fused ``wqkv`` and ``w_gate_up`` are split, ``[in, out]`` matrices are
-    transposed back to torch's ``[out, in]``, and a tied head stays tied to the embedding. The
-    config has no EOS, so ``generate`` never stops early.
+    Config and tensors come from ``specjax.io.hf``'s name table (``config_to_hf``,
+    ``hf_tensors``), as for a checkpoint written with ``save_hf``; a tied head stays tied to the
+    embedding. The config has no EOS, so ``generate`` never stops early.
 
     Raises:
-      ValueError: a config this conversion does not cover (Qwen3, RoPE scaling).
+      ValueError: a config this conversion does not cover (Qwen3).
     """
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
     from transformers.initialization import no_init_weights
 
-    if cfg.arch != "llama" or cfg.rope_scaling is not None:
-        raise ValueError(f"hf_llama_from_params covers Llama without RoPE scaling, got "
-                         f"arch={cfg.arch!r}, rope_scaling={cfg.rope_scaling}")
-    n, k, h, f = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff
-    config = LlamaConfig(
-        vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=f,
-        num_hidden_layers=cfg.n_layers, num_attention_heads=n, num_key_value_heads=k,
-        head_dim=h, rope_theta=cfg.rope_theta, rms_norm_eps=cfg.norm_eps,
-        max_position_embeddings=cfg.max_position_embeddings,
-        tie_word_embeddings=cfg.tie_embeddings, bos_token_id=None, eos_token_id=None,
-        pad_token_id=None)
+    from specjax.io import hf as hf_io
 
-    def tensor(x, transpose=False):
-        # A writable, contiguous copy: arrays viewed from JAX buffers are read-only, and a
-        # transposed view would make every torch matmul slower.
-        x = np.asarray(x, np.float32)
-        return torch.from_numpy(np.array(x.T if transpose else x, order="C", copy=True))
-
-    def t(x):  # our [in, out] -> torch [out, in]
-        return tensor(x, transpose=True)
-
-    sd = {"model.embed_tokens.weight": tensor(params["embed"]),
-          "model.norm.weight": tensor(params["final_norm"])}
-    for i, p in enumerate(params["layers"]):
-        pre = f"model.layers.{i}."
-        wqkv, w_gate_up = np.asarray(p["wqkv"]), np.asarray(p["w_gate_up"])
-        sd[pre + "input_layernorm.weight"] = tensor(p["attn_norm"])
-        sd[pre + "self_attn.q_proj.weight"] = t(wqkv[:, : n * h])
-        sd[pre + "self_attn.k_proj.weight"] = t(wqkv[:, n * h: (n + k) * h])
-        sd[pre + "self_attn.v_proj.weight"] = t(wqkv[:, (n + k) * h:])
-        sd[pre + "self_attn.o_proj.weight"] = t(p["wo"])
-        sd[pre + "post_attention_layernorm.weight"] = tensor(p["mlp_norm"])
-        sd[pre + "mlp.gate_proj.weight"] = t(w_gate_up[:, :f])
-        sd[pre + "mlp.up_proj.weight"] = t(w_gate_up[:, f:])
-        sd[pre + "mlp.down_proj.weight"] = t(p["w_down"])
-    if not cfg.tie_embeddings:
-        sd["lm_head.weight"] = t(params["lm_head"])
+    if cfg.arch != "llama":
+        raise ValueError(f"hf_llama_from_params covers Llama, got arch={cfg.arch!r}")
+    config = LlamaConfig.from_dict({**hf_io.config_to_hf(cfg), "dtype": "float32",
+                                    "bos_token_id": None, "eos_token_id": None,
+                                    "pad_token_id": None})
+    # Writable, contiguous float32 copies: arrays viewed from JAX buffers are read-only, and a
+    # transposed view would make every torch matmul slower.
+    sd = {name: torch.from_numpy(np.array(x, np.float32, order="C", copy=True))
+          for name, x in hf_io.hf_tensors(params, cfg)}
     with no_init_weights():  # every weight is overwritten below
         model = LlamaForCausalLM(config)
     model.load_state_dict(sd, strict=not cfg.tie_embeddings)
@@ -259,79 +233,13 @@ class HFEngine:
 # ---------------------------------------------------------------------------------- llama.cpp
 
 
-def permute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
-    """llama.cpp's Q/K row order from HF's: the inverse of :func:`specjax.io.gguf.unpermute_qk`.
-
-    Args:
-      w: [n_heads * H, D_in] in HF ``rotate_half`` order (torch ``[out, in]`` layout).
-    Returns:
-      [n_heads * H, D_in], within each head rows ``[0, H/2, 1, H/2 + 1, ...]``.
-    """
-    d_out, d_in = w.shape
-    return w.reshape(n_heads, 2, d_out // n_heads // 2, d_in).swapaxes(1, 2).reshape(d_out, d_in)
-
-
-# Metadata not copied from the source: what describes its encoding (file type, quantization,
-# alignment), and the architecture, which GGUFWriter writes itself.
-_GGUF_SKIP_KEYS = ("general.architecture", "general.file_type", "general.quantization_version",
-                   "general.alignment")
-
-
-def write_f32_gguf(out: Path, source: Path, cfg: ModelConfig, params: dict) -> None:
-    """Writes ``params`` as an all-F32 llama GGUF at ``out``.
-
-    Every metadata value (architecture, hyper-parameters, tokenizer, chat template) is copied
-    from the GGUF ``source``, except the file type, which becomes ALL_F32. Tensors get llama.cpp's
-    names and layout: torch ``[out, in]`` matrices, Q/K rows permuted (:func:`permute_qk`), no
-    ``output.weight`` when the head is tied.
-    """
-    import gguf
-
-    if cfg.arch != "llama" or cfg.rope_scaling is not None:
-        raise ValueError(f"write_f32_gguf covers Llama without RoPE scaling, got "
-                         f"arch={cfg.arch!r}, rope_scaling={cfg.rope_scaling}")
-    reader = gguf.GGUFReader(source)
-    writer = gguf.GGUFWriter(out, arch="llama")
-    for key, field in reader.fields.items():
-        if key.startswith("GGUF.") or key in _GGUF_SKIP_KEYS:
-            continue
-        sub_type = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
-        writer.add_key_value(key, field.contents(), field.types[0], sub_type=sub_type)
-    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
-
-    n, k, h, f = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff
-
-    def tt(x):  # [in, out] -> contiguous float32 [out, in]
-        return np.ascontiguousarray(np.asarray(x, np.float32).T)
-
-    writer.add_tensor("token_embd.weight", np.asarray(params["embed"], np.float32))
-    for i, p in enumerate(params["layers"]):
-        b = f"blk.{i}."
-        wqkv, w_gate_up = np.asarray(p["wqkv"]), np.asarray(p["w_gate_up"])
-        writer.add_tensor(b + "attn_norm.weight", np.asarray(p["attn_norm"], np.float32))
-        writer.add_tensor(b + "attn_q.weight", permute_qk(tt(wqkv[:, : n * h]), n))
-        writer.add_tensor(b + "attn_k.weight", permute_qk(tt(wqkv[:, n * h: (n + k) * h]), k))
-        writer.add_tensor(b + "attn_v.weight", tt(wqkv[:, (n + k) * h:]))
-        writer.add_tensor(b + "attn_output.weight", tt(p["wo"]))
-        writer.add_tensor(b + "ffn_norm.weight", np.asarray(p["mlp_norm"], np.float32))
-        writer.add_tensor(b + "ffn_gate.weight", tt(w_gate_up[:, :f]))
-        writer.add_tensor(b + "ffn_up.weight", tt(w_gate_up[:, f:]))
-        writer.add_tensor(b + "ffn_down.weight", tt(p["w_down"]))
-    writer.add_tensor("output_norm.weight", np.asarray(params["final_norm"], np.float32))
-    if not cfg.tie_embeddings:
-        writer.add_tensor("output.weight", tt(params["lm_head"]))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-
-
 def llamacpp_gguf(source: Path, cfg: ModelConfig, params: dict) -> Path:
     """The F32 GGUF of ``params`` loaded from ``source``, written on first use.
 
     It lives beside ``source``'s dequantized-weights cache entry and shares its key, so an
-    edited or replaced source GGUF gets a fresh file. Written to a temporary name and renamed,
-    so an interrupted write leaves nothing behind.
+    edited or replaced source GGUF gets a fresh file. Written by
+    :func:`specjax.io.gguf.write_f32_gguf` to a temporary name and renamed, so an interrupted
+    write leaves nothing behind.
     """
     from specjax.io import gguf as gguf_io
 
@@ -341,7 +249,7 @@ def llamacpp_gguf(source: Path, cfg: ModelConfig, params: dict) -> Path:
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = out.with_name(f".tmp-{os.getpid()}-{out.name}")
         try:
-            write_f32_gguf(tmp, source, cfg, params)
+            gguf_io.write_f32_gguf(tmp, source, cfg, params)
             os.replace(tmp, out)
         finally:
             tmp.unlink(missing_ok=True)

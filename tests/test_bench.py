@@ -1,5 +1,5 @@
-"""The benchmark reports: tables built from result dicts (the measurements themselves are
-benchmarks, never tests)."""
+"""The benchmark reports (tables built from result dicts) and the HF engine's model (the
+measurements themselves are benchmarks, never tests)."""
 
 from __future__ import annotations
 
@@ -32,3 +32,27 @@ def test_plain_table_fits_every_engine_name():
     lines = bench.format_table(result).splitlines()
     assert len({len(line) for line in lines[2:2 + len(bench.ENGINES)]}) == 1  # aligned columns
     assert all(any(line.startswith(name + " ") for line in lines) for name in bench.ENGINES)
+
+
+def test_hf_engine_model_computes_our_logits():
+    """The HF engine's model is built from our params through the HF name table: its logits are
+    ours (float32 parity bound 1e-4, as for loaded checkpoints), tied head and GQA included."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import torch
+
+    from specjax.config import ModelConfig
+    from specjax.models import cache as cache_lib
+    from specjax.models import target
+
+    cfg = ModelConfig(arch="llama", vocab_size=97, d_model=48, n_layers=2, n_heads=6,
+                      n_kv_heads=2, head_dim=8, d_ff=80, tie_embeddings=True)
+    params = target.init_params(cfg, 0, scale=0.3)
+    model = bench.hf_llama_from_params(cfg, params)
+    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (1, 9))
+    with torch.no_grad():
+        theirs = model(torch.from_numpy(tokens)).logits.numpy()
+    ours, _, _ = jax.jit(target.forward, static_argnums=1)(
+        params, cfg, jnp.asarray(tokens), jnp.arange(9)[None], cache_lib.init_cache(cfg, 1, 9))
+    np.testing.assert_allclose(ours, theirs, atol=1e-4, rtol=0)

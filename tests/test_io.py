@@ -16,12 +16,30 @@ import numpy as np
 import pytest
 
 from specjax.config import ModelConfig, RopeScaling
-from specjax.io import Tokenizer, check_params, config_from_hf, load, load_gguf, load_hf
+from specjax.io import Tokenizer, config_from_hf, load, load_gguf, load_hf, save_hf
 from specjax.io import gguf as gguf_io
-from specjax.io.checks import param_shapes
-from specjax.io.layout import ROW_WEIGHTS, with_row_weights
+from specjax.io import hf as hf_io
+from specjax.io.layout import with_row_weights
+from specjax.models import cache as cache_lib
+from specjax.models import params as params_lib
+from specjax.models import target
+from specjax.models.params import ROW_WEIGHTS
+from specjax.models.params import check as check_params
 
 # ------------------------------------------------------------------------------------ helpers
+
+
+def fused_qkv(q, k, v, cfg: ModelConfig) -> np.ndarray:
+    """torch q [N*H, D], k [K*H, D], v [K*H, D] -> wqkv [D, K, G + 2, H], head by head as the
+    layout documents it (query head n = k * G + g at [:, k, g]), independently of hf.py."""
+    g, h = cfg.q_per_kv, cfg.head_dim
+    w = np.zeros((cfg.d_model, cfg.n_kv_heads, g + 2, h), q.dtype)
+    for n in range(cfg.n_heads):
+        w[:, n // g, n % g] = q[n * h:(n + 1) * h].T
+    for j in range(cfg.n_kv_heads):
+        w[:, j, g] = k[j * h:(j + 1) * h].T
+        w[:, j, g + 1] = v[j * h:(j + 1) * h].T
+    return w
 
 
 def torch_to_ours(model, cfg: ModelConfig) -> dict:
@@ -32,11 +50,11 @@ def torch_to_ours(model, cfg: ModelConfig) -> dict:
         p = f"model.layers.{i}."
         layer = {
             "attn_norm": sd[p + "input_layernorm.weight"],
-            "wqkv": np.concatenate([sd[p + f"self_attn.{x}_proj.weight"].T for x in "qkv"], 1),
+            "wqkv": fused_qkv(*(sd[p + f"self_attn.{x}_proj.weight"] for x in "qkv"), cfg),
             "wo": sd[p + "self_attn.o_proj.weight"].T,
             "mlp_norm": sd[p + "post_attention_layernorm.weight"],
-            "w_gate_up": np.concatenate([sd[p + "mlp.gate_proj.weight"].T,
-                                         sd[p + "mlp.up_proj.weight"].T], 1),
+            "w_gate_up": np.stack([sd[p + "mlp.gate_proj.weight"].T,
+                                   sd[p + "mlp.up_proj.weight"].T], 1),
             "w_down": sd[p + "mlp.down_proj.weight"].T,
         }
         if cfg.arch == "qwen3":
@@ -244,6 +262,87 @@ def test_load_hf_unknown_architecture(hf_llama_dir, tmp_path):
         load_hf(path)
 
 
+
+# ------------------------------------------------------------------------------------ save_hf
+
+SAVE_CFGS = {
+    "llama": ModelConfig(
+        arch="llama", vocab_size=256, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2,
+        head_dim=16, d_ff=128, rope_theta=500000.0, norm_eps=1e-5, max_position_embeddings=512,
+        rope_scaling=RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                 original_max_position_embeddings=64)),
+    # head_dim 32 != d_model / n_heads = 16, as in real Qwen3 checkpoints.
+    "qwen3": ModelConfig(arch="qwen3", vocab_size=256, d_model=64, n_layers=2, n_heads=4,
+                         n_kv_heads=2, head_dim=32, d_ff=128, rope_theta=1e6, norm_eps=1e-6,
+                         tie_embeddings=True, max_position_embeddings=512),
+}
+
+
+def random_params(cfg: ModelConfig, seed: int = 0) -> dict:
+    """Random params with non-unit norms (unit norms would hide a writer that swaps two)."""
+    rng = np.random.default_rng(seed)
+
+    def draw(spec):
+        x = rng.standard_normal(spec.shape, np.float32)
+        return jnp.asarray(1 + 0.1 * x if spec.init == "ones" else 0.1 * x, spec.dtype)
+
+    return jax.tree.map(draw, params_lib.abstract(cfg))
+
+
+@pytest.mark.parametrize("cfg", [SAVE_CFGS["llama"], LLAMA3_CFG, SAVE_CFGS["qwen3"]],
+                         ids=["llama", "llama-tied", "qwen3"])
+def test_config_to_hf_round_trips(cfg):
+    assert config_from_hf(hf_io.config_to_hf(cfg)) == cfg
+    bf16 = cfg.replace(dtype="bfloat16")
+    assert config_from_hf(hf_io.config_to_hf(bf16), dtype="bfloat16") == bf16
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_save_hf_loads_in_transformers_with_our_logits(tmp_path, arch):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    cfg = SAVE_CFGS[arch]
+    params = random_params(cfg)
+    save_hf(params, cfg, tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert type(model).__name__ == {"llama": "LlamaForCausalLM",
+                                    "qwen3": "Qwen3ForCausalLM"}[arch]
+    # Longer than original_max_position_embeddings / low_freq_factor of the Llama config, so the
+    # llama3-scaled frequencies matter.
+    tokens = np.random.default_rng(1).integers(0, cfg.vocab_size, (2, 80))
+    with torch.no_grad():
+        theirs = model(torch.from_numpy(tokens)).logits.numpy()
+    positions = jnp.broadcast_to(jnp.arange(80, dtype=jnp.int32), (2, 80))
+    ours, _, _ = jax.jit(target.forward, static_argnums=1)(
+        params, cfg, jnp.asarray(tokens), positions, cache_lib.init_cache(cfg, 2, 80))
+    np.testing.assert_allclose(ours, theirs, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_save_hf_then_load_hf_is_bit_exact(tmp_path, arch, dtype):
+    cfg = SAVE_CFGS[arch].replace(dtype=dtype)
+    params = random_params(cfg)
+    save_hf(with_row_weights(params), cfg, tmp_path)  # the one-row copies are not written
+    got_cfg, got = load_hf(tmp_path, dtype=dtype)
+    assert got_cfg == cfg
+    assert all(leaf.dtype == cfg.jnp_dtype for leaf in jax.tree.leaves(got))
+    assert_params_equal(got, params)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_hf_table_names_exactly_the_tensors_of_transformers(arch):
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = SAVE_CFGS[arch]
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**hf_io.config_to_hf(cfg)))
+    want = {name: tuple(x.shape) for name, x in model.state_dict().items()
+            if not (cfg.tie_embeddings and name == "lm_head.weight")}  # tied: one tensor
+    assert hf_io.tensor_shapes(hf_io.HF_TABLE, cfg) == want
+
 # ---------------------------------------------------------------------------- check_params
 
 TINY = ModelConfig(arch="llama", vocab_size=32, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2,
@@ -251,12 +350,7 @@ TINY = ModelConfig(arch="llama", vocab_size=32, d_model=64, n_layers=2, n_heads=
 
 
 def _zeros(cfg):
-    shapes = param_shapes(cfg)
-    layers = tuple({k.split(".", 2)[2]: jnp.zeros(s, cfg.jnp_dtype)
-                    for k, s in shapes.items() if k.startswith(f"layers.{i}.")}
-                   for i in range(cfg.n_layers))
-    params = {k: jnp.zeros(s, cfg.jnp_dtype) for k, s in shapes.items() if "." not in k}
-    return {**params, "layers": layers}
+    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), params_lib.shape_dtype_structs(cfg))
 
 
 def test_check_params_accepts_the_documented_layout():
@@ -274,7 +368,7 @@ def _edit_layer(params, i, **changes):
 
 @pytest.mark.parametrize("edit, message", [
     (lambda p: _edit_layer(p, 1, wqkv=jnp.zeros((64, 100))),
-     "layers.1.wqkv has shape (64, 100), expected (64, 128)"),
+     "layers.1.wqkv has shape (64, 100), expected (64, 2, 4, 16)"),
     (lambda p: _edit_layer(p, 0, w_down=None),
      "missing tensor layers.0.w_down (expected shape (48, 64))"),
     (lambda p: {k: v for k, v in p.items() if k != "lm_head"},
@@ -429,9 +523,9 @@ def write_tiny_gguf(path, tied=True, seed=0):
             down = gguf.quants.dequantize(gguf.quants.quantize(down, qtype), qtype)
         else:
             writer.add_tensor(b + "ffn_down.weight", down)
-        layers.append({"attn_norm": an, "wqkv": np.concatenate([q.T, k.T, vv.T], 1),
+        layers.append({"attn_norm": an, "wqkv": fused_qkv(q, k, vv, cfg),
                        "wo": o.T, "mlp_norm": mn,
-                       "w_gate_up": np.concatenate([gate.T, up.T], 1), "w_down": down.T})
+                       "w_gate_up": np.stack([gate.T, up.T], 1), "w_down": down.T})
     writer.add_tensor("output_norm.weight", hf["final_norm"])
     if not tied:
         writer.add_tensor("output.weight", hf["lm_head"])
@@ -477,6 +571,30 @@ def test_unpermute_qk_inverts_llama_cpp_permute():
     np.testing.assert_array_equal(gguf_io.unpermute_qk(llama_cpp_permute(w, 2), 2), w)
     # Head 0, H = 8: GGUF rows interleave the two rotate_half halves.
     np.testing.assert_array_equal(llama_cpp_permute(w, 2)[:8, 0] // 3, [0, 4, 1, 5, 2, 6, 3, 7])
+    np.testing.assert_array_equal(gguf_io.permute_qk(w, 2), llama_cpp_permute(w, 2))
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_write_f32_gguf_round_trips(tmp_path, cache_dir, tied):
+    """Writing our params gives llama.cpp's own tensors back (Q/K permuted as it permutes
+    them), and loading the written file gives our params back, bit for bit."""
+    import gguf
+
+    source = tmp_path / "m.gguf"
+    cfg, want = write_tiny_gguf(source, tied=tied)
+    out = tmp_path / "f32.gguf"
+    gguf_io.write_f32_gguf(out, source, cfg, load_gguf(source)[1])
+    written = {t.name: t for t in gguf.GGUFReader(out).tensors}
+    original = {t.name: t for t in gguf.GGUFReader(source).tensors}
+    assert sorted(written) == sorted(original)
+    for name, t in written.items():
+        assert t.tensor_type == gguf.GGMLQuantizationType.F32, name
+        o = original[name]
+        np.testing.assert_array_equal(t.data, gguf.quants.dequantize(o.data, o.tensor_type),
+                                      err_msg=name)
+    got_cfg, got = load_gguf(out, cache=False)
+    assert got_cfg == cfg
+    assert_params_equal(got, want)
 
 
 def test_load_gguf_bfloat16(tiny_gguf, cache_dir):
@@ -529,6 +647,30 @@ def test_gguf_corrupt_cache_is_rebuilt(tiny_gguf, cache_dir, damage):
     assert cache_files(cache_dir) == [entry]
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the rebuilt entry reads back cleanly
+        assert_params_equal(load_gguf(path)[1], want)
+
+
+def test_gguf_cache_in_an_older_layout_is_never_used(tiny_gguf, cache_dir, monkeypatch):
+    """The cache format is part of the key, and an entry found under the current key anyway
+    but holding another layout (here the former 2-D wqkv [D, (N + 2K) H]) fails the shape check
+    and is rebuilt, never loaded."""
+    from safetensors import safe_open
+    from safetensors.numpy import save_file
+
+    path, _, want = tiny_gguf
+    load_gguf(path)
+    [entry] = cache_files(cache_dir)
+    with monkeypatch.context() as m:
+        m.setattr(gguf_io, "CACHE_FORMAT", "1")
+        assert gguf_io.cache_path(path) != entry
+    with safe_open(entry, framework="np") as f:
+        metadata = f.metadata()
+        flat = {name: f.get_tensor(name) for name in f.keys()}
+    flat = {name: w.reshape(w.shape[0], -1) if name.endswith(".wqkv") else w
+            for name, w in flat.items()}
+    save_file(flat, entry, metadata=metadata)
+    with pytest.warns(UserWarning, match=r"discarding unreadable GGUF cache .*layers\.0\.wqkv "
+                                         r"has shape \(64, 128\), expected \(64, 2, 4, 16\)"):
         assert_params_equal(load_gguf(path)[1], want)
 
 
@@ -594,7 +736,7 @@ def test_load_gguf_missing_tensor(tmp_path, cache_dir):
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(ValueError, match=r"missing tensor blk\.0\.attn_q\.weight in .*broken"):
+    with pytest.raises(ValueError, match=r"missing tensor blk\.0\.attn_norm\.weight in .*broken"):
         load_gguf(path)
 
 

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 
 from specjax.config import ModelConfig
-from specjax.io.checks import check_params
 from specjax.io.layout import with_row_weights, without_row_weights
 from specjax.models import cache as cache_lib
 from specjax.models import target
+from specjax.models.params import check as check_params
 
 TINY = ModelConfig(arch="llama", vocab_size=97, d_model=48, n_layers=2, n_heads=6, n_kv_heads=2,
                    head_dim=8, d_ff=80, rope_theta=10000.0)
@@ -225,6 +225,27 @@ def test_row_weights_change_one_row_passes_only_by_summation_order(tie):
     first = dict(rows["layers"][0], w_gate_up_t=rows["layers"][0]["w_gate_up"])  # untransposed
     with pytest.raises(ValueError, match="layers.0.w_gate_up_t has shape"):
         check_params(dict(rows, layers=(first,) + rows["layers"][1:]), cfg)
+
+
+@pytest.mark.parametrize("row_weights", [False, True], ids=["in-out", "row-weights"])
+def test_one_row_step_never_copies_a_weight(row_weights):
+    """Fused weights have several out axes ([D, K, G + 2, H], [2, F, D], ...): a one-row step
+    must multiply by them in place. A product over the trailing axis of a one-row copy with
+    several out axes made XLA:CPU transpose a copy of the whole weight on every step (~3x
+    slower SmolLM2 decoding)."""
+    params = jax.eval_shape(lambda: target.init_params(TINY, 0))
+    if row_weights:
+        params = jax.eval_shape(with_row_weights, params)
+    cache = jax.eval_shape(lambda: cache_lib.init_cache(TINY, 1, 16))
+    smallest = min(x.size for x in jax.tree.leaves(params["layers"]) if x.ndim > 1)
+    step = jax.jit(lambda p, tok, c: target.forward(p, TINY, tok, c.lengths[:, None], c)[0])
+    hlo = step.lower(params, jax.ShapeDtypeStruct((1, 1), jnp.int32), cache).compile().as_text()
+    copies = []
+    for line in hlo.splitlines():
+        match = re.search(r"= f32\[([\d,]*)\]\{[\d,]*\} (copy|transpose)\(", line)
+        if match and np.prod([int(d) for d in match.group(1).split(",") if d]) >= smallest:
+            copies.append(line.strip())
+    assert copies == []
 
 
 @pytest.mark.parametrize("tree", [False, True], ids=["causal", "tree"])

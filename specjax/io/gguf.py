@@ -12,9 +12,15 @@ replaced GGUF misses the cache. It is written to a temporary file and renamed in
 interrupted write never leaves a partial entry; an entry that fails to load anyway (truncated,
 corrupted, wrong format version) is deleted and rebuilt with a warning.
 
-Q and K projections are stored permuted for llama.cpp's interleaved RoPE (pairs ``2i, 2i+1``);
-:func:`unpermute_qk` restores HF's ``rotate_half`` layout (pairs ``i, i + H/2``), which is the
-layout our model code expects.
+The entry's metadata carries :data:`CACHE_FORMAT`, and the format is part of the key: an entry
+written in another params layout is never found, and one that is found anyway is rejected
+(format, then shapes) and rebuilt.
+
+:data:`GGUF_TABLE` maps our params to llama.cpp's tensor names, both for loading and for
+:func:`write_f32_gguf`. llama.cpp stores HF's torch-layout tensors, except that Q and K rows are
+permuted for its interleaved RoPE (pairs ``2i, 2i+1``): :func:`unpermute_qk` restores HF's
+``rotate_half`` layout (pairs ``i, i + H/2``), which our model code expects, and
+:func:`permute_qk` undoes it, so the table reuses the HF table's transforms around them.
 """
 
 from __future__ import annotations
@@ -31,10 +37,12 @@ import jax
 import numpy as np
 
 from specjax.config import ModelConfig
-from specjax.io.checks import check_params, unflatten_params
+from specjax.io import hf
 from specjax.io.tokenizer import Tokenizer
+from specjax.models import params as params_lib
 
-CACHE_FORMAT = "1"  # bump when the cached layout or metadata changes
+# Bump when the cached layout or metadata changes. 2: wqkv [D, K, G + 2, H], w_gate_up [D, 2, F].
+CACHE_FORMAT = "2"
 
 
 def cache_dir() -> Path:
@@ -61,6 +69,44 @@ def unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
     """
     d_out, d_in = w.shape
     return w.reshape(n_heads, d_out // n_heads // 2, 2, d_in).swapaxes(1, 2).reshape(d_out, d_in)
+
+
+def permute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """llama.cpp's Q/K row order from HF's: the inverse of :func:`unpermute_qk`.
+
+    Args:
+      w: [n_heads * H, D_in] in HF ``rotate_half`` order (torch ``[out, in]`` layout).
+      n_heads: heads in ``w``.
+    Returns:
+      [n_heads * H, D_in], within each head rows ``[0, H/2, 1, H/2 + 1, ...]``.
+    """
+    d_out, d_in = w.shape
+    return w.reshape(n_heads, 2, d_out // n_heads // 2, d_in).swapaxes(1, 2).reshape(d_out, d_in)
+
+
+def _fuse_llama_cpp_qkv(tensors, cfg):
+    q, k, v = tensors
+    return hf.QKV.to_ours((unpermute_qk(q, cfg.n_heads), unpermute_qk(k, cfg.n_kv_heads), v), cfg)
+
+
+def _split_llama_cpp_qkv(w, cfg):
+    q, k, v = hf.QKV.from_ours(w, cfg)
+    return permute_qk(q, cfg.n_heads), permute_qk(k, cfg.n_kv_heads), v
+
+
+_B = "blk.{i}."
+GGUF_TABLE = hf.Table("GGUF (llama)", {
+    "embed": hf.Row(("token_embd.weight",), hf.COPY),
+    "attn_norm": hf.Row((_B + "attn_norm.weight",), hf.COPY),
+    "wqkv": hf.Row((_B + "attn_q.weight", _B + "attn_k.weight", _B + "attn_v.weight"),
+                   hf.Transform(_fuse_llama_cpp_qkv, _split_llama_cpp_qkv)),
+    "wo": hf.Row((_B + "attn_output.weight",), hf.LINEAR),
+    "mlp_norm": hf.Row((_B + "ffn_norm.weight",), hf.COPY),
+    "w_gate_up": hf.Row((_B + "ffn_gate.weight", _B + "ffn_up.weight"), hf.GATE_UP),
+    "w_down": hf.Row((_B + "ffn_down.weight",), hf.LINEAR),
+    "final_norm": hf.Row(("output_norm.weight",), hf.COPY),
+    "lm_head": hf.Row(("output.weight",), hf.LINEAR),
+})
 
 
 def config_from_gguf(meta: Mapping[str, Any], tensor_names: Collection[str],
@@ -103,7 +149,7 @@ def config_from_gguf(meta: Mapping[str, Any], tensor_names: Collection[str],
         d_ff=int(get("feed_forward_length")),
         rope_theta=_f32(get("rope.freq_base", 10000.0)),
         norm_eps=_f32(get("attention.layer_norm_rms_epsilon", 1e-5)),
-        tie_embeddings="output.weight" not in tensor_names,
+        tie_embeddings=GGUF_TABLE.rows["lm_head"].names[0] not in tensor_names,
         dtype=dtype,
         max_position_embeddings=int(get("context_length")),
     )
@@ -131,10 +177,8 @@ def _convert(tensors: Mapping[str, Any], cfg: ModelConfig, path: Path) -> dict[s
     if "rope_freqs.weight" in tensors:
         raise ValueError(f"{path}: per-frequency RoPE factors (rope_freqs.weight, Llama-3.1 "
                          "style) are not supported")
-    d, n, k, h, f, v = (cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff,
-                        cfg.vocab_size)
 
-    def get(name, shape):  # torch layout: [out, in]
+    def read(name, shape):  # torch layout: [out, in]
         if name not in tensors:
             raise ValueError(f"missing tensor {name} in {path}")
         t = tensors[name]
@@ -143,23 +187,8 @@ def _convert(tensors: Mapping[str, Any], cfg: ModelConfig, path: Path) -> dict[s
             raise ValueError(f"{name} in {path} has shape {w.shape}, expected {shape}")
         return w
 
-    flat = {"embed": get("token_embd.weight", (v, d))}
-    for i in range(cfg.n_layers):
-        b, p = f"blk.{i}.", f"layers.{i}."
-        q = unpermute_qk(get(b + "attn_q.weight", (n * h, d)), n)
-        kk = unpermute_qk(get(b + "attn_k.weight", (k * h, d)), k)
-        vv = get(b + "attn_v.weight", (k * h, d))
-        flat[p + "attn_norm"] = get(b + "attn_norm.weight", (d,))
-        flat[p + "wqkv"] = np.concatenate([q.T, kk.T, vv.T], axis=1)
-        flat[p + "wo"] = np.ascontiguousarray(get(b + "attn_output.weight", (d, n * h)).T)
-        flat[p + "mlp_norm"] = get(b + "ffn_norm.weight", (d,))
-        flat[p + "w_gate_up"] = np.concatenate([get(b + "ffn_gate.weight", (f, d)).T,
-                                                get(b + "ffn_up.weight", (f, d)).T], axis=1)
-        flat[p + "w_down"] = np.ascontiguousarray(get(b + "ffn_down.weight", (d, f)).T)
-    flat["final_norm"] = get("output_norm.weight", (d,))
-    if not cfg.tie_embeddings:
-        flat["lm_head"] = np.ascontiguousarray(get("output.weight", (v, d)).T)
-    return {name: np.ascontiguousarray(w) for name, w in flat.items()}
+    return {name: np.ascontiguousarray(w)
+            for name, w in hf.params_from_tensors(GGUF_TABLE, cfg, read)}
 
 
 class _Entry:
@@ -222,7 +251,7 @@ def _read_cache(file: Path, with_weights: bool) -> _Entry:
         cfg = _config_from_json(meta["config"])
         flat = {name: f.get_tensor(name) for name in f.keys()} if with_weights else None
     if with_weights:
-        check_params(unflatten_params(flat, cfg.n_layers), cfg)
+        params_lib.check(params_lib.unflatten(flat, cfg.n_layers), cfg)
     return _Entry(cfg, flat, meta["tokenizer"], meta["tokenizer_error"])
 
 
@@ -274,8 +303,8 @@ def _params(entry: _Entry, dtype: str) -> tuple[ModelConfig, dict]:
     cfg = entry.cfg.replace(dtype=dtype)
     np_dtype = np.dtype(cfg.jnp_dtype)
     flat = {name: jax.device_put(w.astype(np_dtype, copy=False)) for name, w in entry.flat.items()}
-    params = unflatten_params(flat, cfg.n_layers)
-    check_params(params, cfg)
+    params = params_lib.unflatten(flat, cfg.n_layers)
+    params_lib.check(params, cfg)
     return cfg, params
 
 
@@ -308,3 +337,37 @@ def load_gguf_with_tokenizer(path: str | Path, dtype: str = "float32", *,
     return cfg, params, entry.tokenizer()
 
 
+# Metadata not copied from the source: what describes its encoding (file type, quantization,
+# alignment), and the architecture, which GGUFWriter writes itself.
+_SKIP_KEYS = ("general.architecture", "general.file_type", "general.quantization_version",
+              "general.alignment")
+
+
+def write_f32_gguf(out: str | Path, source: str | Path, cfg: ModelConfig, params: dict) -> None:
+    """Write ``params`` as an all-F32 llama GGUF at ``out``; :func:`load_gguf` reads it back
+    bit for bit.
+
+    Every metadata value (architecture, hyper-parameters, tokenizer, chat template) is copied
+    from the GGUF ``source``, except the file type, which becomes ALL_F32. Tensors go through
+    :data:`GGUF_TABLE`: llama.cpp's names, torch ``[out, in]`` matrices, Q/K rows permuted
+    (:func:`permute_qk`), no ``output.weight`` when the head is tied.
+    """
+    import gguf
+
+    if cfg.arch != "llama" or cfg.rope_scaling is not None:
+        raise ValueError(f"write_f32_gguf covers Llama without RoPE scaling, got "
+                         f"arch={cfg.arch!r}, rope_scaling={cfg.rope_scaling}")
+    reader = gguf.GGUFReader(source)
+    writer = gguf.GGUFWriter(out, arch="llama")
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key in _SKIP_KEYS:
+            continue
+        sub_type = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(key, field.contents(), field.types[0], sub_type=sub_type)
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    for name, tensor in hf.tensors_from_params(GGUF_TABLE, params, cfg):
+        writer.add_tensor(name, np.ascontiguousarray(tensor, np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()

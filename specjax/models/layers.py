@@ -79,35 +79,41 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 
 
 def linear(x: jax.Array, p: dict, key: str) -> jax.Array:
-    """x [B, T, in] @ p[key] [in, out], accumulated in float32, returned in ``x.dtype``.
+    """x [B, T, in] times p[key] [in, *out] over its leading axis, accumulated in float32:
+    [B, T, *out] in ``x.dtype``.
 
-    A single row (``B * T == 1``) multiplies by the ``[out, in]`` copy ``p[key + "_t"]`` when
-    the params carry one (:mod:`specjax.io.layout`): XLA:CPU streams those faster in a
-    matrix-vector product.
+    A single row (``B * T == 1``) multiplies by the one-row copy ``p[key + "_t"]`` [*out, in]
+    over its trailing axis when the params carry one (:mod:`specjax.io.layout`): XLA:CPU
+    streams those faster in a matrix-vector product.
     """
     if x.shape[0] * x.shape[1] == 1 and f"{key}_t" in p:
-        return jnp.einsum("bti,oi->bto", x, p[f"{key}_t"],
-                          preferred_element_type=jnp.float32).astype(x.dtype)
-    return jnp.einsum("bti,io->bto", x, p[key], preferred_element_type=jnp.float32).astype(x.dtype)
+        w = p[f"{key}_t"]
+        # As a 2-D [out, in] matrix (merging its leading axes is free): XLA:CPU transposed a
+        # copy of the whole weight on every call when it had several out axes.
+        y = jnp.einsum("bti,oi->bto", x, w.reshape(-1, w.shape[-1]),
+                       preferred_element_type=jnp.float32)
+        return y.reshape(*x.shape[:2], *w.shape[:-1]).astype(x.dtype)
+    return jnp.einsum("bti,i...->bt...", x, p[key],
+                      preferred_element_type=jnp.float32).astype(x.dtype)
 
 
 def project_qkv(p: dict, cfg: ModelConfig, x: jax.Array, cos: jax.Array, sin: jax.Array):
     """Queries, keys and values of T tokens, RoPE applied (after the q/k norm when configured).
 
     Args:
-      p: a layer's weights: ``wqkv`` [in, (N + 2K) H] and, for ``cfg.qk_norm``, ``q_norm`` /
-        ``k_norm`` [H]. ``in`` is usually D; an EAGLE-3 layer reads 2D.
+      p: a layer's weights: ``wqkv`` [in, K, G + 2, H] (:mod:`specjax.models.params`) and, for
+        ``cfg.qk_norm``, ``q_norm`` / ``k_norm`` [H]. ``in`` is usually D; an EAGLE-3 layer
+        reads 2D.
       x: [B, T, in] the already normalized layer input.
       cos, sin: [B, T, H/2] rotary tables of the tokens' positions.
     Returns:
       q [B, T, N, H], k [B, T, K, H], v [B, T, K, H] in ``x.dtype``.
     """
     b, t, _ = x.shape
-    n, kh, h = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-    qkv = linear(x, p, "wqkv")
-    q = qkv[..., : n * h].reshape(b, t, n, h)
-    k = qkv[..., n * h: (n + kh) * h].reshape(b, t, kh, h)
-    v = qkv[..., (n + kh) * h:].reshape(b, t, kh, h)
+    n, h, g = cfg.n_heads, cfg.head_dim, cfg.q_per_kv
+    qkv = linear(x, p, "wqkv")  # [B, T, K, G + 2, H]
+    q = qkv[..., :g, :].reshape(b, t, n, h)  # query head k * G + g of kv head k
+    k, v = qkv[..., g, :], qkv[..., g + 1, :]  # [B, T, K, H]
     if cfg.qk_norm:
         q = rms_norm(q, p["q_norm"], cfg.norm_eps)
         k = rms_norm(k, p["k_norm"], cfg.norm_eps)
@@ -135,6 +141,6 @@ def attention_out(p: dict, cfg: ModelConfig, q: jax.Array,
 def mlp(p: dict, cfg: ModelConfig, x: jax.Array) -> jax.Array:
     """The SwiGLU block on the residual ``x`` [B, T, D]: ``down(silu(gate) * up)`` of
     ``rms_norm(x, mlp_norm)``; returns [B, T, D], to be added to the residual stream."""
-    gate_up = linear(rms_norm(x, p["mlp_norm"], cfg.norm_eps), p, "w_gate_up")
-    gate, up = gate_up[..., : cfg.d_ff], gate_up[..., cfg.d_ff:]
+    gate_up = linear(rms_norm(x, p["mlp_norm"], cfg.norm_eps), p, "w_gate_up")  # [B, T, 2, F]
+    gate, up = gate_up[..., 0, :], gate_up[..., 1, :]
     return linear(jax.nn.silu(gate) * up, p, "w_down")

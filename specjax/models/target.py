@@ -1,16 +1,17 @@
 """The target decoder (Llama-3, Qwen3, SmolLM2) as pure functions over a params pytree.
 
-Params layout (matrices are ``[in, out]``, the transpose of torch ``Linear.weight``)::
+Params layout (:mod:`specjax.models.params` describes it, logical axes included; matrices
+have their input axis first, the transpose of torch ``Linear.weight``)::
 
     params = {
       "embed": [V, D],
       "layers": (per layer, a tuple of length L) {
           "attn_norm": [D],
-          "wqkv": [D, (N + 2K) * H],   # q heads, then k heads, then v heads (rotate_half layout)
+          "wqkv": [D, K, G + 2, H],    # per kv head: its G q heads, its k head, its v head
           "wo": [N * H, D],
           "q_norm": [H], "k_norm": [H],  # Qwen3 only
           "mlp_norm": [D],
-          "w_gate_up": [D, 2F],        # gate, then up
+          "w_gate_up": [D, 2, F],      # gate, then up
           "w_down": [F, D],
       },
       "final_norm": [D],
@@ -22,8 +23,8 @@ Layers are a tuple of per-layer dicts, not stacked arrays under ``lax.scan``: st
 are fused into one matrix each, so a decode step issues fewer, larger matrix products.
 
 **One-row weights.** A layer may also carry ``"wqkv_t"``, ``"wo_t"``, ``"w_gate_up_t"`` and
-``"w_down_t"`` (and the params an untied ``"lm_head_t"``): the same matrices stored
-``[out, in]``. A pass with exactly one query row (``B * T == 1``, a plain decoding step) then
+``"w_down_t"`` (and the params an untied ``"lm_head_t"``): the same arrays, input axis
+moved last. A pass with exactly one query row (``B * T == 1``, a plain decoding step) then
 multiplies by those: XLA:CPU's matrix-vector product streams ``[out, in]`` weights faster
 than ``[in, out]`` ones, while with two or more rows ``[in, out]`` is faster (measured
 side by side, see the README's performance notes). :func:`specjax.io.layout.with_row_weights`
@@ -57,41 +58,13 @@ from specjax.config import ModelConfig
 from specjax.models import attention as attn
 from specjax.models import cache as cache_lib
 from specjax.models import layers
+from specjax.models import params as params_lib
 from specjax.models.layers import rms_norm, rope_tables
 
 
 def init_params(cfg: ModelConfig, seed: int = 0, scale: float = 0.02) -> dict:
-    """Random normal(0, ``scale``) weights and unit norms in the documented layout.
-
-    Drawn with NumPy on the host: compiling JAX's threefry for a dozen weight shapes took
-    longer than a small test's whole run.
-    """
-    n, k, h, d, f, v = (cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_model, cfg.d_ff,
-                        cfg.vocab_size)
-    gen = np.random.default_rng(seed)
-    dt = cfg.jnp_dtype
-
-    def normal(shape):
-        return jnp.asarray(scale * gen.standard_normal(shape, np.float32), dt)
-
-    layers = []
-    for _ in range(cfg.n_layers):
-        layer = {
-            "attn_norm": jnp.ones((d,), dt),
-            "wqkv": normal((d, (n + 2 * k) * h)),
-            "wo": normal((n * h, d)),
-            "mlp_norm": jnp.ones((d,), dt),
-            "w_gate_up": normal((d, 2 * f)),
-            "w_down": normal((f, d)),
-        }
-        if cfg.qk_norm:
-            layer["q_norm"] = jnp.ones((h,), dt)
-            layer["k_norm"] = jnp.ones((h,), dt)
-        layers.append(layer)
-    params = {"embed": normal((v, d)), "layers": tuple(layers), "final_norm": jnp.ones((d,), dt)}
-    if not cfg.tie_embeddings:
-        params["lm_head"] = normal((d, v))
-    return params
+    """Random normal(0, ``scale``) weights and unit norms: :func:`specjax.models.params.init`."""
+    return params_lib.init(cfg, seed, scale)
 
 
 def step_tokens(cfg: ModelConfig) -> int:
