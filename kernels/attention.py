@@ -11,6 +11,8 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 
+FEW_QUERIES = 8  # rows with at most this many queries use the keys-first score layout
+
 
 def reference_attention(q: jax.Array,
                         blocks: Sequence[tuple[jax.Array, jax.Array, jax.Array]]) -> jax.Array:
@@ -29,18 +31,27 @@ def reference_attention(q: jax.Array,
     if not blocks:
         raise ValueError("attention needs at least one key/value block")
     scale = q.shape[-1] ** -0.5
-    scores = [jnp.where(visible, jnp.einsum("cqh,csh->cqs", q, k,
-                                            preferred_element_type=jnp.float32) * scale, -jnp.inf)
-              for k, _, visible in blocks]
-    if len(blocks) == 1:
-        k, v, _ = blocks[0]
-        probs = jax.nn.softmax(scores[0], axis=-1).astype(v.dtype)
-        return jnp.einsum("cqs,csh->cqh", probs, v, preferred_element_type=jnp.float32).astype(q.dtype)
-    probs = jax.nn.softmax(jnp.concatenate(scores, axis=-1), axis=-1)  # [C, Q, sum S_i]
+    # With few queries per row (decoding steps), scores laid out [C, S, Q] ran 1.6-3x faster
+    # on XLA:CPU than [C, Q, S] for 32 rows of 3 queries over 512-1024 slots, and no slower
+    # for one row; with many queries (verify passes, prefill) [C, Q, S] is faster.
+    keys_first = q.shape[1] <= FEW_QUERIES
+    axis = 1 if keys_first else 2  # the key axis of the scores
+
+    def qk(k, visible):  # [C, S_i, Q] or [C, Q, S_i] float32 scores, masked
+        if keys_first:
+            s = jnp.einsum("csh,cqh->csq", k, q, preferred_element_type=jnp.float32)
+            return jnp.where(visible.transpose(0, 2, 1), s * scale, -jnp.inf)
+        s = jnp.einsum("cqh,csh->cqs", q, k, preferred_element_type=jnp.float32)
+        return jnp.where(visible, s * scale, -jnp.inf)
+
+    scores = [qk(k, visible) for k, _, visible in blocks]
+    probs = jax.nn.softmax(jnp.concatenate(scores, axis=axis) if len(scores) > 1 else scores[0],
+                           axis=axis)
     out, start = 0.0, 0
     for k, v, _ in blocks:
         width = k.shape[1]
-        out = out + jnp.einsum("cqs,csh->cqh", probs[..., start: start + width].astype(v.dtype), v,
+        part = jax.lax.slice_in_dim(probs, start, start + width, axis=axis).astype(v.dtype)
+        out = out + jnp.einsum("csh,csq->cqh" if keys_first else "csh,cqs->cqh", v, part,
                                preferred_element_type=jnp.float32)
         start += width
     return out.astype(q.dtype)
