@@ -223,7 +223,9 @@ def _kept_fast(z: jax.Array, top_k: jax.Array, top_p: jax.Array, greedy: jax.Arr
 def _truncate(z: jax.Array, top_k: jax.Array, top_p: jax.Array, greedy: jax.Array):
     """Top-k then top-p of temperature-scaled logits ``z`` [B, ..., V] (the arguments as in
     :func:`_kept`, plus ``greedy`` [B, 1, ..., 1]): the fast candidate path when it is exact,
-    else the full sort."""
+    else the full sort (always for vocabularies no larger than the candidate set)."""
+    if z.shape[-1] <= TOP_CANDIDATES:
+        return _kept(z, top_k, top_p)
     kept, exact = _kept_fast(z, top_k, top_p, greedy)
     return lax.cond(exact, lambda: kept, lambda: _kept(z, top_k, top_p))
 
