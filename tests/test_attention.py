@@ -159,6 +159,21 @@ def test_training_time_test_diagonal_steps():
         np_attention(q, [(*step0, causal), (*step1, diag), (*step2, diag)]), atol=1e-5)
 
 
+def test_expansion_level_with_an_explicit_mask():
+    # An EAGLE-2 expansion level: T nodes of one level see the committed cache and, among the
+    # 2T nodes fed so far (earlier levels' and their own), exactly their ancestry.
+    gen = np.random.default_rng(9)
+    s = 12
+    q = gen.standard_normal((B, T, K * G, H))
+    cache, fed = random_kv(gen, s), random_kv(gen, 2 * T)
+    mask = gen.random((B, T, 2 * T)) < 0.4
+    mask[:, np.arange(T), T + np.arange(T)] = True  # every node sees itself
+    m_cache = loops(B, T, s, lambda b, t, si: si < LENGTHS[b])
+    np.testing.assert_allclose(
+        run(q, [cache, fed], [A.Prefix(jnp.asarray(LENGTHS)), A.Dense(jnp.asarray(mask))]),
+        np_attention(q, [(*cache, m_cache), (*fed, mask)]), atol=1e-5)
+
+
 def test_sliding_window_with_ragged_positions():
     gen = np.random.default_rng(5)
     s, size = 14, 4

@@ -24,6 +24,8 @@ from specjax.models import target
 from specjax.targets import DecoderTarget
 from specjax.tree import StaticTree
 
+from laws import PARAMS8, PROMPT8, TINY8, V_SMALL, chi_square_p, exact_transformer_law
+
 TINY = ModelConfig(arch="llama", vocab_size=61, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
                    head_dim=8, d_ff=48)
 PARAMS = target.init_params(TINY, 0, scale=0.5)
@@ -306,7 +308,6 @@ def test_one_compile_and_a_single_while_loop(kind):
 # ----------------------------------------------------------------------------------------------
 # A foreign stack: target and drafter written here as plain jnp functions.
 
-V_SMALL = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -364,20 +365,6 @@ def _exact_law(temperature, top_k, top_p, first, n):
     return law
 
 
-def _chi_square_p(samples: np.ndarray, law: dict) -> float:
-    """p-value of a chi-square goodness-of-fit test, pooling cells expected below 5."""
-    n = samples.shape[0]
-    codes = samples @ (V_SMALL ** np.arange(samples.shape[1])[::-1])
-    counts = np.bincount(codes, minlength=V_SMALL ** samples.shape[1])
-    expected = np.array([law[s] for s in itertools.product(range(V_SMALL), repeat=samples.shape[1])]) * n
-    assert counts[expected == 0].sum() == 0, "a sequence of probability 0 was generated"
-    big = expected >= 5
-    obs = np.append(counts[big], counts[~big & (expected > 0)].sum())
-    exp = np.append(expected[big], expected[~big & (expected > 0)].sum())
-    keep = exp > 0
-    return float(sps.chisquare(obs[keep], exp[keep] * obs[keep].sum() / exp[keep].sum()).pvalue)
-
-
 def _sample_foreign(drafter, q_table, temperature, top_k, top_p, rows, seed):
     """First 3 tokens of ``rows`` independent generations after the prompt [3, 3]; the sampling
     controls are scalars or per-row sequences."""
@@ -413,7 +400,7 @@ def test_foreign_stack_preserves_the_target_law(temperature, top_k, top_p):
     is_greedy = np.tile(greedy, 5)
     assert (samples[is_greedy] == np.array(_greedy_chain(3, 3))).all()
     assert (~is_greedy).sum() == 200_000
-    assert _chi_square_p(samples[~is_greedy], law) > 1e-3
+    assert chi_square_p(samples[~is_greedy], law) > 1e-3
 
 
 def test_the_law_test_has_power_against_a_lying_drafter():
@@ -426,7 +413,7 @@ def test_the_law_test_has_power_against_a_lying_drafter():
     law = _exact_law(1.0, 0, 1.0, first=3, n=3)
     samples = np.concatenate([_sample_foreign(FunctionDrafter(lying, 4, 3), Q_TABLE, 1.0, 0,
                                               1.0, ROWS, seed) for seed in range(4)])
-    assert _chi_square_p(samples, law) < 1e-3
+    assert chi_square_p(samples, law) < 1e-3
 
 
 def test_foreign_stack_greedy_equals_argmax_chain():
@@ -523,7 +510,7 @@ def test_tree_rules_in_the_loop_preserve_the_target_law(real_q):
                               for seed in range(5)])
     is_greedy = np.tile(greedy, 5)
     assert (samples[is_greedy] == np.array(_greedy_chain(3, 3))).all()
-    assert _chi_square_p(samples[~is_greedy], law) > 1e-3
+    assert chi_square_p(samples[~is_greedy], law) > 1e-3
 
 
 def test_the_tree_law_test_has_power_against_a_lying_drafter():
@@ -531,35 +518,11 @@ def test_the_tree_law_test_has_power_against_a_lying_drafter():
     drafter = _tree_drafter(lie=True)
     samples = np.concatenate([_sample_foreign(drafter, Q_TABLE, 1.0, 0, 1.0, ROWS, seed)
                               for seed in range(4)])
-    assert _chi_square_p(samples, law) < 1e-3
+    assert chi_square_p(samples, law) < 1e-3
 
 
 # ----------------------------------------------------------------------------------------------
-# The draft-model drafter's real q, end to end, on a transformer target small enough for an
-# exact law: vocabulary 8, the law of the first three tokens computed from all 8^2 prefixes.
-
-TINY8 = ModelConfig(arch="llama", vocab_size=V_SMALL, d_model=16, n_layers=3, n_heads=2,
-                    n_kv_heads=1, head_dim=8, d_ff=24)
-PARAMS8 = target.init_params(TINY8, 3, scale=0.6)
-PROMPT8 = [3, 5]
-
-
-def _exact_transformer_law(temperature, top_k, top_p):
-    """Law of the first 3 tokens after PROMPT8 under plain sampling of the TINY8 target."""
-    prefixes = np.array(list(itertools.product(range(V_SMALL), repeat=2)))  # [64, 2]
-    seqs = np.concatenate([np.tile(PROMPT8, (len(prefixes), 1)), prefixes], axis=1)
-    logits, _, _ = target.forward(PARAMS8, TINY8, jnp.asarray(seqs),
-                                  jnp.broadcast_to(jnp.arange(seqs.shape[1]), seqs.shape),
-                                  cache_lib.init_cache(TINY8, len(seqs), seqs.shape[1]))
-    sp = sampling.SamplingParams.make(len(seqs), temperature, top_k, top_p)
-    cond = np.exp(np.asarray(sampling.log_probs(logits, sp), np.float64))  # [64, 4, V]
-    cond /= cond.sum(-1, keepdims=True)
-    law = {}
-    for i, (a, b) in enumerate(prefixes):
-        for c in range(V_SMALL):
-            law[a, b, c] = cond[i, 1, a] * cond[i, 2, b] * cond[i, 3, c]
-    return law
-
+# The draft-model drafter's real q, end to end, on the 8-token transformer of tests/laws.py.
 
 @pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, 0, 1.0), (0.7, 5, 0.9)])
 def test_draft_model_in_the_loop_preserves_the_target_law(temperature, top_k, top_p):
@@ -575,5 +538,5 @@ def test_draft_model_in_the_loop_preserves_the_target_law(temperature, top_k, to
             target=DecoderTarget(TINY8), drafter=drafter, max_new_tokens=3, capacity=16)
         samples.append(np.asarray(out.tokens))
         assert int(out.stats.accepted.sum()) > ROWS // 4  # the drafts do get accepted
-    assert _chi_square_p(np.concatenate(samples), _exact_transformer_law(temperature, top_k,
+    assert chi_square_p(np.concatenate(samples), exact_transformer_law(temperature, top_k,
                                                                          top_p)) > 1e-3

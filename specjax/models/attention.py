@@ -19,6 +19,7 @@ rule                      query t of row b sees key s iff
 :class:`AnchorPrefix`     ``s < anchors[b, t // block]`` (DFlash training: context before
                           the block's anchor)
 :class:`Blocks`           ``t // block == s // block`` (and ``s <= t`` when causal)
+:class:`Dense`             ``mask[b, t, s]`` (visibility that is data: EAGLE-2 expansion)
 :class:`Union` /          any / all of several rules
 :class:`Intersect`
 ========================  ================================================================
@@ -235,6 +236,24 @@ class Blocks:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
+class Dense:
+    """An explicit mask, for visibility that is computed rather than structured.
+
+    EAGLE-2 expansion feeds each level's nodes against the keys of every node fed so far; who
+    descends from whom is only known once the previous level's top-k has run.
+
+    Attributes:
+      mask: [B, T, S] bool (or broadcastable to it).
+    """
+
+    mask: jax.Array
+
+    def dense(self, b, t, s):
+        return self.mask
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
 class Union:
     """A key is visible when any of ``rules`` shows it."""
 
@@ -262,7 +281,7 @@ class Intersect:
 
 
 AnyRule = TypingUnion[Prefix, Causal, Tree, Full, Diagonal, Window, Segments, AnchorPrefix,
-                      Blocks, Union, Intersect]
+                      Blocks, Dense, Union, Intersect]
 
 
 @jax.tree_util.register_dataclass

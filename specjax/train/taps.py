@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.config import ModelConfig
+from specjax.drafters import eagle
 from specjax.models import target
 from specjax.train import data
 
@@ -42,7 +43,7 @@ def tap_set(name: str, n_layers: int) -> tuple[int, ...]:
         raise ValueError(f"tap set {name!r} needs a target of at least 4 layers (its highest "
                          f"tap is layer L - 3), got {n_layers}")
     if name == "eagle3":
-        return (2, n_layers // 2, n_layers - 3)
+        return eagle.eagle3_taps(n_layers)
     if name == "eagle1":
         return (target.FINAL_NORMED,)
     if name == "dflash":

@@ -1,0 +1,668 @@
+"""EAGLE-1, EAGLE-2 and EAGLE-3 drafters: one decoder layer over the target's own features.
+
+Both versions draft from *pairs*: pair ``j`` is (a feature of position ``j``, the token at
+``j + 1``) at RoPE position ``j``; the layer's output at pair ``j`` stands for the feature of
+position ``j + 1`` and its logits predict the token at ``j + 2``. On committed positions the
+feature comes from the target; on draft nodes it is the layer's own output for the parent.
+
+* **EAGLE-1** (feature = the target's final normed state, the LM head's input): the layer
+  input is ``fc([embed(token) ‖ feature])`` (2E -> D, D = E), the layer has no input norm, and
+  the target's own LM head scores the output directly.
+* **EAGLE-3** (features = the residual streams entering target layers {2, L // 2, L - 3},
+  concatenated): ``fc`` (3E -> D) fuses them once, on target features only; the layer's q/k/v
+  read ``[attn_norm(embed(token)) ‖ hidden_norm(h)]`` (2D wide) with ``h`` the residual; the
+  drafter's own head over a reduced vocabulary of Vd ids scores ``final_norm(output)``, and
+  draft id ``i`` is target id ``i + d2t[i]``.
+
+**Cache and cycle.** The drafter keeps one layer's K/V of the committed pairs
+(:class:`EagleState`). ``commit`` feeds the pairs the cycle committed, the old root and each
+accepted draft with their *target* features from :class:`~specjax.drafters.base.Accepted`
+(paired with the next committed token), so drafted positions are always recomputed from real
+features, as the reference implementation does; the K/V of the tree nodes live only inside
+``propose``. The output at the newest pair, ``last``, seeds the next tree.
+
+**Tree policies** (:class:`DynamicTree`, :class:`~specjax.tree.StaticTree`,
+:class:`SampledChain`), all at static shapes for any batch:
+
+* EAGLE-2's dynamic tree: level 0 is the top-k of ``last``'s logits; each of ``depth`` draft
+  calls feeds the k nodes of the current expansion set (visibility: the committed pairs plus
+  the nodes' own ancestors), gives each node its top-k children scored by cumulative
+  log-probability, and keeps the global top-k of those k * k as the next set. Every candidate
+  enters a pool of ``k + depth * k * k`` entries; the ``n_nodes - 1`` best by score, in pool
+  order, form the tree (:func:`expand_dynamic`).
+* A static tree (EAGLE-1's ``mc_sim_7b_63``, or a chain): node ``i`` takes the ``r``-th most
+  likely token of its parent's logits, ``r`` its rank among its siblings; one draft call per
+  level feeds that level's inner nodes.
+* A sampled chain: each draft is drawn from the drafter's distribution processed with the
+  row's own temperature / top-k / top-p, and verification uses that real q.
+
+Params are a pytree ``{"drafter": own weights, "target": the target's params}`` (the
+target's arrays are shared, not copied: the drafter reads the embedding, and EAGLE-1 the head,
+through the :class:`~specjax.targets.DraftingTarget` protocol)::
+
+    own = {
+      "fc": [n_taps * E, D]   (EAGLE-1: [2E, D], plus "fc_bias": [D] when cfg.fc_bias)
+      "layer": {"attn_norm": [D], "hidden_norm": [D]   (EAGLE-3 only)
+                "wqkv": [in, K, G + 2, H] (in = 2D for EAGLE-3, D for EAGLE-1), "wo": [N * H, D],
+                "mlp_norm": [D], "w_gate_up": [D, 2, F], "w_down": [F, D]}
+      "final_norm": [D], "lm_head": [D, Vd], "d2t": [Vd] int32   (EAGLE-3 only)
+    }
+
+Axis legend as in :mod:`specjax.models.layers`, plus E target width, Vd draft vocabulary,
+k top-k, M nodes fed in one draft call.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax import sampling
+from specjax.config import ModelConfig
+from specjax.drafters.base import Accepted, Context, Prefill, Proposal, chain_parents
+from specjax.models import attention as attn
+from specjax.models import cache as cache_lib
+from specjax.models import layers
+from specjax.tree import StaticTree
+
+
+@dataclasses.dataclass(frozen=True)
+class EagleConfig:
+    """An EAGLE drafter's shape.
+
+    Attributes:
+      version: 1 or 3.
+      layer: the decoder layer's hyper-parameters (``n_layers = 1``; ``vocab_size`` = Vd, the
+        head's vocabulary: the target's V for EAGLE-1).
+      target_vocab_size: V.
+      target_d_model: E.
+      taps: the target taps the drafter reads: EAGLE-3 the inputs of layers
+        {2, L // 2, L - 3} (tap ``i`` = the residual after ``i`` layers), EAGLE-1 the final
+        normed state (``specjax.models.target.FINAL_NORMED``).
+      fc_bias: EAGLE-1's ``fc`` has a bias (the Vicuna checkpoints; LLaMA-3 ones have none).
+    """
+
+    version: int
+    layer: ModelConfig
+    target_vocab_size: int
+    target_d_model: int
+    taps: tuple[int, ...]
+    fc_bias: bool = False
+
+    def __post_init__(self):
+        if self.version not in (1, 3):
+            raise ValueError(f"EAGLE version must be 1 or 3, got {self.version}")
+        if self.layer.n_layers != 1:
+            raise ValueError(f"an EAGLE drafter has one decoder layer, got {self.layer.n_layers}")
+        if not self.taps:
+            raise ValueError("an EAGLE drafter needs at least one target tap")
+        if self.version == 1:
+            if self.layer.d_model != self.target_d_model:
+                raise ValueError(f"EAGLE-1 drafts target features: its width "
+                                 f"{self.layer.d_model} must be the target's {self.target_d_model}")
+            if self.layer.vocab_size != self.target_vocab_size:
+                raise ValueError("EAGLE-1 scores with the target's head: vocab_size "
+                                 f"{self.layer.vocab_size} != {self.target_vocab_size}")
+            if len(self.taps) != 1:
+                raise ValueError(f"EAGLE-1 reads one feature, got taps {self.taps}")
+        elif self.layer.vocab_size > self.target_vocab_size:
+            raise ValueError(f"draft vocabulary {self.layer.vocab_size} exceeds the target's "
+                             f"{self.target_vocab_size}")
+
+    @property
+    def d_model(self) -> int:
+        return self.layer.d_model
+
+    @property
+    def draft_vocab_size(self) -> int:
+        return self.layer.vocab_size
+
+    @property
+    def feature_width(self) -> int:
+        """The width of the target features of one position: ``len(taps) * E``."""
+        return len(self.taps) * self.target_d_model
+
+    @classmethod
+    def eagle3(cls, target_cfg: ModelConfig, *, draft_vocab_size: int | None = None,
+               d_ff: int | None = None, rope_theta: float = 10000.0,
+               dtype: str | None = None, taps: tuple[int, ...] | None = None) -> EagleConfig:
+        """EAGLE-3 for ``target_cfg``: the target's widths and heads, taps
+        :func:`eagle3_taps` (or ``taps``), RoPE base 10000 with no scaling (what the official
+        drafters were trained with, whatever the target uses), and ``draft_vocab_size`` ids
+        (default: the full vocabulary)."""
+        taps = tuple(taps) if taps is not None else eagle3_taps(target_cfg.n_layers)
+        layer = target_cfg.replace(
+            n_layers=1, vocab_size=draft_vocab_size or target_cfg.vocab_size,
+            d_ff=d_ff or target_cfg.d_ff, rope_theta=rope_theta, rope_scaling=None,
+            tie_embeddings=False, arch="llama", dtype=dtype or target_cfg.dtype)
+        return cls(3, layer, target_cfg.vocab_size, target_cfg.d_model, taps)
+
+    @classmethod
+    def eagle1(cls, target_cfg: ModelConfig, *, fc_bias: bool = False,
+               dtype: str | None = None) -> EagleConfig:
+        """EAGLE-1 for ``target_cfg``: the target's layer shapes and RoPE, its final normed
+        state as the feature, its head as the drafter's."""
+        from specjax.models.target import FINAL_NORMED
+
+        layer = target_cfg.replace(n_layers=1, tie_embeddings=False, arch="llama",
+                                   dtype=dtype or target_cfg.dtype)
+        return cls(1, layer, target_cfg.vocab_size, target_cfg.d_model, (FINAL_NORMED,),
+                   fc_bias)
+
+
+def eagle3_taps(n_layers: int) -> tuple[int, ...]:
+    """EAGLE-3's target taps: the inputs of layers 2, L // 2 and L - 3 (low, mid, high), as
+    tap ids (tap i = the residual stream after i layers); for L = 30: (2, 15, 27)."""
+    if n_layers < 4:
+        raise ValueError(f"EAGLE-3 taps the input of layer L - 3 >= 1: it needs a target of at "
+                         f"least 4 layers, got {n_layers}")
+    return (2, n_layers // 2, n_layers - 3)
+
+
+def init_params(cfg: EagleConfig, seed: int = 0, scale: float = 0.02) -> dict:
+    """Random drafter weights (the ``"drafter"`` half of the params): normal(0, scale)
+    matrices, unit norms, zero bias; EAGLE-3's ``d2t`` maps draft ids onto target ids
+    ``0 .. Vd - 1`` (replace it with :func:`draft_vocab` of real data before training)."""
+    lc = cfg.layer
+    d, k, g, h, f = lc.d_model, lc.n_kv_heads, lc.q_per_kv, lc.head_dim, lc.d_ff
+    keys = iter(jax.random.split(jax.random.key(seed), 8))
+    dt = lc.jnp_dtype
+
+    def normal(*shape):
+        return (scale * jax.random.normal(next(keys), shape, jnp.float32)).astype(dt)
+
+    fc_in = cfg.feature_width if cfg.version == 3 else 2 * cfg.target_d_model
+    layer = {"wqkv": normal(2 * d if cfg.version == 3 else d, k, g + 2, h),
+             "wo": normal(lc.n_heads * h, d), "mlp_norm": jnp.ones((d,), dt),
+             "w_gate_up": normal(d, 2, f), "w_down": normal(f, d)}
+    own = {"fc": normal(fc_in, d), "layer": layer}
+    if cfg.version == 3:
+        layer["attn_norm"] = jnp.ones((d,), dt)
+        layer["hidden_norm"] = jnp.ones((d,), dt)
+        own["final_norm"] = jnp.ones((d,), dt)
+        own["lm_head"] = normal(d, cfg.draft_vocab_size)
+        own["d2t"] = jnp.zeros((cfg.draft_vocab_size,), jnp.int32)
+    elif cfg.fc_bias:
+        own["fc_bias"] = jnp.zeros((d,), dt)
+    return own
+
+
+def draft_vocab(counts: np.ndarray, size: int) -> np.ndarray:
+    """EAGLE-3's ``d2t`` from token counts: the ``size`` most frequent target ids, ascending.
+
+    Args:
+      counts: [V] how often each target id occurs as a trained-on token.
+      size: Vd.
+    Returns:
+      [Vd] int32 offsets, ``target_id = i + d2t[i]``. Ties (unseen ids included) go to the
+      smaller id, so a vocabulary larger than the data's still has exactly Vd ids.
+    """
+    counts = np.asarray(counts)
+    if not 1 <= size <= counts.shape[0]:
+        raise ValueError(f"draft vocabulary size {size} must be in [1, {counts.shape[0]}]")
+    order = np.lexsort((np.arange(counts.shape[0]), -counts))  # by count desc, then id
+    used = np.sort(order[:size])
+    return (used - np.arange(size)).astype(np.int32)
+
+
+def check_params(cfg: EagleConfig, own: dict) -> None:
+    """Raises ValueError when ``own`` does not fit ``cfg`` (keys, shapes, ``d2t`` range)."""
+    expect = jax.eval_shape(lambda: init_params(cfg))
+    want = {jax.tree_util.keystr(p): x.shape for p, x in jax.tree_util.tree_leaves_with_path(expect)}
+    got = {jax.tree_util.keystr(p): np.shape(x) for p, x in jax.tree_util.tree_leaves_with_path(own)}
+    if set(got) != set(want):
+        raise ValueError(f"EAGLE-{cfg.version} params lack {sorted(set(want) - set(got))} and have "
+                         f"unexpected {sorted(set(got) - set(want))}")
+    for key, shape in want.items():
+        if tuple(got[key]) != tuple(shape):
+            raise ValueError(f"EAGLE-{cfg.version} param {key} has shape {tuple(got[key])}, "
+                             f"expected {tuple(shape)}; drafter and config mismatch")
+    if cfg.version == 3:
+        ids = np.arange(cfg.draft_vocab_size) + np.asarray(own["d2t"])
+        if ids.min() < 0 or ids.max() >= cfg.target_vocab_size:
+            raise ValueError(f"d2t maps draft ids to target ids in [{ids.min()}, {ids.max()}], "
+                             f"outside the target vocabulary of {cfg.target_vocab_size}")
+        if np.any(np.diff(ids) <= 0):
+            raise ValueError("d2t must map draft ids to strictly increasing target ids")
+
+
+# ----------------------------------------------------------------------------------------
+# The draft layer, as pure functions of the params.
+
+
+def _target_ids(cfg: EagleConfig, own: dict, draft_ids: jax.Array) -> jax.Array:
+    """Draft-vocabulary ids -> target ids (identity for EAGLE-1)."""
+    return draft_ids + own["d2t"][draft_ids] if cfg.version == 3 else draft_ids
+
+
+def _layer_inputs(cfg: EagleConfig, target, params: dict, tokens: jax.Array, hidden: jax.Array,
+                  from_target: bool) -> tuple[jax.Array, jax.Array]:
+    """``(x [B, T, in], residual [B, T, D])`` of pairs (``hidden`` [B, T, n_taps * E] target
+    features when ``from_target``, else [B, T, D] the drafter's own outputs; ``tokens`` [B, T]
+    target ids)."""
+    own, lc = params["drafter"], cfg.layer
+    e = target.embed(params["target"], tokens).astype(lc.jnp_dtype)
+    if cfg.version == 3:
+        h = layers.linear(hidden.astype(lc.jnp_dtype), own, "fc") if from_target else hidden
+        p = own["layer"]
+        x = jnp.concatenate([layers.rms_norm(e, p["attn_norm"], lc.norm_eps),
+                             layers.rms_norm(h, p["hidden_norm"], lc.norm_eps)], axis=-1)
+        return x, h
+    x = layers.linear(jnp.concatenate([e, hidden.astype(lc.jnp_dtype)], axis=-1), own, "fc")
+    if cfg.fc_bias:
+        x = x + own["fc_bias"]
+    return x, x
+
+
+def _decoder_layer(cfg: EagleConfig, own: dict, x, residual, positions, blocks_of):
+    """The draft layer on pairs: ``(out [B, T, D], k_rows, v_rows [B * K, T, H])``.
+
+    ``blocks_of(k_rows, v_rows)`` returns the key blocks the queries attend to (it decides
+    where the pairs' own keys go: into a cache, or a fresh block).
+    """
+    lc, p = cfg.layer, own["layer"]
+    cos, sin = layers.rope_tables(lc, positions)
+    q, k, v = layers.project_qkv(p, lc, x, cos, sin)
+    k_rows, v_rows = layers.kv_rows(k), layers.kv_rows(v)
+    h = residual + layers.attention_out(p, lc, q, blocks_of(k_rows, v_rows))
+    return h + layers.mlp(p, lc, h), k_rows, v_rows
+
+
+def draft_logits(cfg: EagleConfig, target, params: dict, out: jax.Array) -> jax.Array:
+    """Float32 logits of the drafter's outputs [..., D]: over Vd draft ids (EAGLE-3, own head
+    after the final norm) or the target's V (EAGLE-1, the target's head)."""
+    if cfg.version == 1:
+        return target.lm_head(params["target"], out)
+    own = params["drafter"]
+    h = layers.rms_norm(out, own["final_norm"], cfg.layer.norm_eps)
+    return jnp.einsum("...d,dv->...v", h, own["lm_head"], preferred_element_type=jnp.float32)
+
+
+def full_vocab_logits(cfg: EagleConfig, own: dict, logits: jax.Array) -> jax.Array:
+    """Draft-vocabulary logits [..., Vd] scattered to the target's [..., V] (-inf elsewhere)."""
+    if cfg.version == 1 or cfg.draft_vocab_size == cfg.target_vocab_size:
+        return logits
+    ids = jnp.arange(cfg.draft_vocab_size) + own["d2t"]
+    full = jnp.full(logits.shape[:-1] + (cfg.target_vocab_size,), -jnp.inf, logits.dtype)
+    return full.at[..., ids].set(logits)
+
+
+# ----------------------------------------------------------------------------------------
+# Tree policies.
+
+
+@dataclasses.dataclass(frozen=True)
+class DynamicTree:
+    """EAGLE-2's dynamic tree (module docstring; the reference's ``topK_genrate``).
+
+    Attributes:
+      n_nodes: N, the verified tree's size with the root (the reference's ``total_token``).
+      depth: draft calls per cycle; the deepest draft sits at depth ``depth + 1``.
+      top_k: k, children per expanded node and nodes expanded per level.
+    """
+
+    n_nodes: int = 60
+    depth: int = 7
+    top_k: int = 10
+
+    def __post_init__(self):
+        if self.depth < 1 or self.top_k < 1:
+            raise ValueError(f"need depth >= 1 and top_k >= 1, got {self.depth}, {self.top_k}")
+        if not 2 <= self.n_nodes <= 1 + self.pool_size:
+            raise ValueError(f"n_nodes must be in [2, {1 + self.pool_size}] (the root plus at "
+                             f"most the pool of k + depth * k^2 candidates), got {self.n_nodes}")
+
+    @property
+    def pool_size(self) -> int:
+        return self.top_k + self.depth * self.top_k ** 2
+
+
+@dataclasses.dataclass(frozen=True)
+class SampledChain:
+    """A chain of ``length`` drafts drawn from the drafter's processed distribution (real q)."""
+
+    length: int = 4
+
+    def __post_init__(self):
+        if self.length < 1:
+            raise ValueError(f"chain length must be >= 1, got {self.length}")
+
+
+def expand_dynamic(step, last_logp: jax.Array, last: jax.Array, tree: DynamicTree):
+    """EAGLE-2 expansion and rerank at static shapes.
+
+    Args:
+      step: ``step(level, hidden [B, k, D], draft_ids [B, k], visible [B, k, depth * k])
+        -> (logp [B, k, Vd], out [B, k, D])``: one draft call on the k nodes of an expansion
+        set at depth ``level`` (0-based), where ``visible[b, i, j]`` says whether fed node j
+        (numbered in feeding order, k per level) is node i itself or one of its ancestors.
+      last_logp: [B, Vd] log-probabilities of the token after the root.
+      last: [B, D] the output that ``last_logp`` came from.
+      tree: the policy.
+    Returns:
+      ``(draft_ids [B, N - 1], parents [B, N], valid [B, N])``: the selected candidates in
+      pool order (the reference's order), each node's parent index in the tree (0 = root)
+      and whether the node is usable (False only for a candidate whose parent lost the
+      rerank, which log-probability ties alone can cause).
+    """
+    k, depth = tree.top_k, tree.depth
+    b = last_logp.shape[0]
+    scores, ids = jax.lax.top_k(last_logp, k)  # [B, k]
+    pool_scores, pool_ids = [scores], [ids]
+    pool_parent = [jnp.full((b, k), -1, jnp.int32)]  # pool index of each entry's parent
+    cur_pool = jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32), (b, k))  # pool index of set
+    hidden = jnp.broadcast_to(last[:, None], (b, k, last.shape[-1]))
+    eye = jnp.eye(k, dtype=bool)
+    visible = jnp.zeros((b, k, depth * k), bool).at[:, :, :k].set(eye)
+    for level in range(depth):
+        logp, out = step(level, hidden, ids, visible)
+        child_lp, child_ids = jax.lax.top_k(logp, k)  # [B, k, k]
+        child_scores = (scores[:, :, None] + child_lp).reshape(b, k * k)
+        pool_scores.append(child_scores)
+        pool_ids.append(child_ids.reshape(b, k * k))
+        pool_parent.append(jnp.repeat(cur_pool, k, axis=1))
+        if level + 1 < depth:
+            scores, pick = jax.lax.top_k(child_scores, k)  # [B, k], over the k * k children
+            rank = pick // k  # which expanded node each winner descends from
+            ids = jnp.take_along_axis(child_ids.reshape(b, k * k), pick, axis=1)
+            hidden = jnp.take_along_axis(out, rank[..., None], axis=1)
+            cur_pool = k + level * k * k + pick
+            visible = jnp.take_along_axis(visible, rank[..., None], axis=1)
+            visible = visible.at[:, :, (level + 1) * k:(level + 2) * k].set(eye)
+    pool_scores = jnp.concatenate(pool_scores, axis=1)  # [B, pool]
+    pool_ids = jnp.concatenate(pool_ids, axis=1)
+    pool_parent = jnp.concatenate(pool_parent, axis=1)
+    _, sel = jax.lax.top_k(pool_scores, tree.n_nodes - 1)
+    sel = jnp.sort(sel, axis=1).astype(jnp.int32)  # [B, N - 1] pool order
+    draft_ids = jnp.take_along_axis(pool_ids, sel, axis=1)
+    parent_pool = jnp.take_along_axis(pool_parent, sel, axis=1)  # [B, N - 1]
+    # The parent's rank in the sorted selection, and whether it was selected at all.
+    where = jnp.sum(sel[:, None, :] < parent_pool[:, :, None], axis=-1, dtype=jnp.int32)
+    found = jnp.any(sel[:, None, :] == parent_pool[:, :, None], axis=-1)
+    is_root_child = parent_pool < 0
+    parents = jnp.where(is_root_child | ~found, 0, where + 1)
+    valid = is_root_child | found
+    ones = jnp.ones((b, 1), bool)
+    return (draft_ids, jnp.concatenate([jnp.full((b, 1), -1, jnp.int32), parents], axis=1),
+            jnp.concatenate([ones, valid], axis=1))
+
+
+def _static_plan(tree: StaticTree):
+    """NumPy bookkeeping of a static tree's drafting: per level, its nodes with their parents
+    and sibling ranks, and the inner nodes (those with children) fed at that level."""
+    parents = np.asarray(tree.parents)
+    depth = np.asarray(tree.depth)
+    rank = np.zeros_like(parents)
+    for i in range(1, parents.size):
+        rank[i] = np.sum(parents[1:i] == parents[i])
+    has_child = np.zeros(parents.size, bool)
+    has_child[parents[1:]] = True
+    fed = [i for i in range(1, parents.size) if has_child[i]]  # feeding order
+    col = {node: c for c, node in enumerate(fed)}
+    anc = np.asarray(tree.ancestor, bool)
+    levels = []
+    for lvl in range(1, tree.max_depth + 1):
+        nodes = np.flatnonzero(depth == lvl)
+        inner = [i for i in nodes if has_child[i]]
+        vis = np.zeros((len(inner), max(len(fed), 1)), bool)
+        for r, i in enumerate(inner):
+            for j in fed:
+                vis[r, col[j]] = anc[i, j]
+        levels.append((nodes, inner, vis))
+    return rank, fed, levels
+
+
+# ----------------------------------------------------------------------------------------
+# The drafter.
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class EagleState:
+    """What an EAGLE drafter carries between cycles.
+
+    Attributes:
+      cache: the draft layer's K/V of the committed pairs; ``lengths[b]`` pairs, i.e. every
+        committed position but the root's.
+      last: [B, D] the layer's output at the newest pair (it predicts the token after the
+        root).
+    """
+
+    cache: cache_lib.KVCache
+    last: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class EagleDrafter:
+    """An EAGLE drafter for the speculative loop (:mod:`specjax.drafters.base`).
+
+    Attributes:
+      cfg: the drafter's shape.
+      target: the static target (a :class:`~specjax.targets.DraftingTarget`) whose embedding
+        (and, for EAGLE-1, head) the drafter reads from ``params["target"]``.
+      policy: a :class:`DynamicTree`, a :class:`~specjax.tree.StaticTree` (a chain is
+        ``StaticTree.chain(n)``) or a :class:`SampledChain`.
+    """
+
+    cfg: EagleConfig
+    target: Any
+    policy: Any = DynamicTree()
+
+    def __post_init__(self):
+        if not isinstance(self.policy, (DynamicTree, StaticTree, SampledChain)):
+            raise ValueError(f"unknown tree policy {self.policy!r}")
+        if isinstance(self.policy, StaticTree) and self.policy.n_nodes < 2:
+            raise ValueError("a static tree needs at least one draft node")
+
+    # -- static description ------------------------------------------------------------
+
+    @property
+    def n_nodes(self) -> int:
+        if isinstance(self.policy, SampledChain):
+            return self.policy.length + 1
+        return self.policy.n_nodes
+
+    @property
+    def max_depth(self) -> int:
+        if isinstance(self.policy, DynamicTree):
+            return self.policy.depth + 1
+        if isinstance(self.policy, SampledChain):
+            return self.policy.length
+        return self.policy.max_depth
+
+    @property
+    def taps(self) -> tuple[int, ...]:
+        return self.cfg.taps
+
+    @property
+    def static_tree(self) -> StaticTree | None:
+        if isinstance(self.policy, SampledChain):
+            return StaticTree.chain(self.n_nodes)
+        return self.policy if isinstance(self.policy, StaticTree) else None
+
+    def check_target(self, target) -> None:
+        """Raises ValueError when the drafter's widths, vocabulary or taps do not fit
+        ``target`` (a :class:`~specjax.targets.DraftingTarget`)."""
+        for name in ("embed", "lm_head", "d_model", "n_layers"):
+            if not hasattr(target, name):
+                raise ValueError(f"EAGLE needs a DraftingTarget (embed, lm_head, widths); the "
+                                 f"target lacks {name!r}")
+        cfg = self.cfg
+        if cfg.target_vocab_size != target.vocab_size:
+            raise ValueError(f"the drafter was built for a vocabulary of {cfg.target_vocab_size}"
+                             f" ids, the target has {target.vocab_size}; drafter and target "
+                             "mismatch")
+        if cfg.target_d_model != target.d_model:
+            raise ValueError(f"the drafter reads features of width {cfg.target_d_model}, the "
+                             f"target's hidden size is {target.d_model}; drafter and target "
+                             "mismatch")
+
+    # -- feeding pairs ---------------------------------------------------------------
+
+    def _feed(self, params, state: EagleState, tokens, hidden, n_new) -> EagleState:
+        """Appends pairs to the cache: ``tokens`` [B, T] target ids, ``hidden`` [B, T, n * E]
+        target features, the first ``n_new[b]`` of them real (the rest scratch)."""
+        cache = state.cache
+        lc, t = self.cfg.layer, tokens.shape[1]
+        positions = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+        x, residual = _layer_inputs(self.cfg, self.target, params, tokens, hidden, True)
+
+        def blocks_of(k_rows, v_rows):
+            nonlocal cache
+            k_buf = cache_lib.write_rows(cache.k[0], cache_lib.to_storage(k_rows, lc),
+                                         cache.lengths)
+            v_buf = cache_lib.write_rows(cache.v[0], cache_lib.to_storage(v_rows, lc),
+                                         cache.lengths)
+            cache = cache_lib.KVCache((k_buf,), (v_buf,), cache.lengths)
+            return [attn.KeyBlock(cache_lib.from_storage(k_buf, lc),
+                                  cache_lib.from_storage(v_buf, lc), attn.Causal(cache.lengths))]
+
+        out, _, _ = _decoder_layer(self.cfg, params["drafter"], x, residual, positions, blocks_of)
+        newest = jnp.take_along_axis(out, jnp.maximum(n_new - 1, 0)[:, None, None], axis=1)[:, 0]
+        last = jnp.where((n_new > 0)[:, None], newest, state.last)
+        return EagleState(cache_lib.advance(cache, n_new), last)
+
+    def init(self, params, prefill: Prefill) -> EagleState:
+        """Feeds the prompt's pairs: position ``j``'s target features with token ``j + 1``
+        (the first generated token after the last prompt position)."""
+        b, p = prefill.prompt.shape
+        lc = self.cfg.layer
+        # Pairs and a cycle's commit pass are written past the committed pairs: leave room.
+        cache = cache_lib.init_cache(lc, b, prefill.capacity + self.max_depth + 1)
+        state = EagleState(cache, jnp.zeros((b, lc.d_model), lc.jnp_dtype))
+        seq = jnp.concatenate([prefill.prompt, jnp.zeros((b, 1), jnp.int32)], axis=1)
+        seq = jax.vmap(lambda s, t, i: s.at[i].set(t))(seq, prefill.first, prefill.prompt_len)
+        hidden = prefill.taps.reshape(b, p, -1)
+        return self._feed(params, state, seq[:, 1:], hidden, prefill.prompt_len)
+
+    def commit(self, params, state: EagleState, ctx: Context, accepted: Accepted) -> EagleState:
+        """Feeds the cycle's committed pairs: the path's nodes (old root first) with their
+        target features, each paired with the token committed after it."""
+        b, t = accepted.path.shape
+        idx = state.cache.lengths[:, None] + 1 + jnp.arange(t, dtype=jnp.int32)[None, :]
+        tokens = jnp.take_along_axis(ctx.seq, jnp.minimum(idx, ctx.seq.shape[1] - 1), axis=1)
+        hidden = accepted.taps.reshape(b, t, -1)
+        return self._feed(params, state, tokens, hidden, accepted.n_committed)
+
+    # -- drafting ----------------------------------------------------------------------
+
+    def _node_step(self, params, state: EagleState, n_fed: int):
+        """A draft call on tree nodes, keeping their K/V in a block of ``n_fed`` fresh keys.
+
+        Returns ``step(col, hidden [B, M, D], tokens [B, M] target ids, visible
+        [B, M, n_fed], level) -> (logits [B, M, Vd], out [B, M, D])``: nodes at depth
+        ``level + 1`` (RoPE position ``lengths + level``) whose keys go to fresh columns
+        ``col .. col + M`` and who attend to the committed pairs plus ``visible``.
+        """
+        cfg, lc, cache = self.cfg, self.cfg.layer, state.cache
+        b = cache.lengths.shape[0]
+        rows = b * lc.n_kv_heads
+        buf = {"k": jnp.zeros((rows, n_fed, lc.head_dim), lc.jnp_dtype),
+               "v": jnp.zeros((rows, n_fed, lc.head_dim), lc.jnp_dtype)}
+        committed = attn.KeyBlock(cache_lib.from_storage(cache.k[0], lc),
+                                  cache_lib.from_storage(cache.v[0], lc), attn.Prefix(cache.lengths))
+
+        def step(col, hidden, tokens, visible, level):
+            m = tokens.shape[1]
+            x, residual = _layer_inputs(cfg, self.target, params, tokens, hidden, False)
+            positions = jnp.broadcast_to(cache.lengths[:, None] + level, (b, m))
+
+            def blocks_of(k_rows, v_rows):
+                buf["k"] = jax.lax.dynamic_update_slice_in_dim(buf["k"], k_rows, col, axis=1)
+                buf["v"] = jax.lax.dynamic_update_slice_in_dim(buf["v"], v_rows, col, axis=1)
+                return [committed, attn.KeyBlock(buf["k"], buf["v"], attn.Dense(visible))]
+
+            out, _, _ = _decoder_layer(cfg, params["drafter"], x, residual, positions, blocks_of)
+            return draft_logits(cfg, self.target, params, out), out
+
+        return step
+
+    def propose(self, params, state: EagleState, ctx: Context, rng):
+        cfg, policy = self.cfg, self.policy
+        own = params["drafter"]
+        b = state.last.shape[0]
+        root_logits = draft_logits(cfg, self.target, params, state.last)  # [B, Vd]
+        if isinstance(policy, DynamicTree):
+            k = policy.top_k
+            node_step = self._node_step(params, state, policy.depth * k)
+
+            def step(level, hidden, ids, visible):
+                logits, out = node_step(level * k, hidden, _target_ids(cfg, own, ids), visible,
+                                        level)
+                return jax.nn.log_softmax(logits, axis=-1), out
+
+            ids, parents, valid = expand_dynamic(step, jax.nn.log_softmax(root_logits, axis=-1),
+                                                 state.last, policy)
+            tokens = jnp.concatenate([ctx.root[:, None], _target_ids(cfg, own, ids)], axis=1)
+            return Proposal(tokens, parents, valid), state
+        if isinstance(policy, SampledChain):
+            return self._sampled_chain(params, state, ctx, rng, root_logits), state
+        return self._static(params, state, ctx, root_logits), state
+
+    def _static(self, params, state, ctx, root_logits) -> Proposal:
+        tree = self.policy
+        rank, fed, levels = _static_plan(tree)
+        n = tree.n_nodes
+        b = root_logits.shape[0]
+        parents = np.asarray(tree.parents)
+        node_step = self._node_step(params, state, max(len(fed), 1))
+        need = int(rank.max()) + 1
+        # top[i]: [B, need] draft ids of node i's most likely children (node 0: the root).
+        top = {0: jax.lax.top_k(root_logits, need)[1]}
+        out_of = {0: state.last}
+        ids = [None] * n
+        col = 0
+        for lvl, (nodes, inner, vis) in enumerate(levels):
+            for i in nodes:
+                ids[i] = top[int(parents[i])][:, rank[i]]
+            if not inner:
+                continue
+            hidden = jnp.stack([out_of[int(parents[i])] for i in inner], axis=1)
+            node_ids = jnp.stack([ids[i] for i in inner], axis=1)
+            visible = jnp.broadcast_to(vis, (b,) + vis.shape)
+            logits, out = node_step(col, hidden, _target_ids(self.cfg, params["drafter"], node_ids),
+                                    visible, lvl)
+            col += len(inner)
+            node_top = jax.lax.top_k(logits, need)[1]  # [B, M, need]
+            for r, i in enumerate(inner):
+                top[i], out_of[i] = node_top[:, r], out[:, r]
+        drafts = _target_ids(self.cfg, params["drafter"], jnp.stack(ids[1:], axis=1))
+        tokens = jnp.concatenate([ctx.root[:, None], drafts], axis=1)
+        return Proposal(tokens, jnp.broadcast_to(jnp.asarray(parents, jnp.int32), (b, n)),
+                        jnp.ones((b, n), bool))
+
+    def _sampled_chain(self, params, state, ctx, rng, root_logits) -> Proposal:
+        cfg, own = self.cfg, params["drafter"]
+        length = self.policy.length
+        b = root_logits.shape[0]
+        node_step = self._node_step(params, state, max(length - 1, 1))
+        keys = jax.random.split(rng, length)
+        logits, hidden = root_logits, state.last
+        drafts, q_logits = [], []
+        eye = np.eye(max(length - 1, 1), dtype=bool)
+        for i in range(length):
+            full = full_vocab_logits(cfg, own, logits)  # [B, V], what draft i is drawn from
+            tok = sampling.sample_rows(jax.random.split(keys[i], b), full, ctx.sp)
+            drafts.append(tok)
+            q_logits.append(full)
+            if i + 1 < length:
+                # The chain's fed nodes see all earlier ones: a lower-triangular visibility.
+                visible = jnp.broadcast_to(np.tril(eye)[i:i + 1], (b, 1, eye.shape[1]))
+                logits, out = node_step(i, hidden[:, None], tok[:, None], visible, i)
+                logits, hidden = logits[:, 0], out[:, 0]
+        tokens = jnp.concatenate([ctx.root[:, None], jnp.stack(drafts, axis=1)], axis=1)
+        v = cfg.target_vocab_size
+        dl = jnp.concatenate([jnp.stack(q_logits, axis=1), jnp.zeros((b, 1, v), jnp.float32)],
+                             axis=1)
+        return Proposal(tokens, chain_parents(b, self.n_nodes), jnp.ones((b, self.n_nodes), bool),
+                        dl)
+
+
+def drafter_params(own: dict, target_params: dict) -> dict:
+    """The params pytree an :class:`EagleDrafter` takes: its own weights and the target's."""
+    return {"drafter": own, "target": target_params}
+
