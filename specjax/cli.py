@@ -243,6 +243,33 @@ def _fingerprints(args) -> int:
     return 0
 
 
+def _train_args(p, lr: float = 3e-4):
+    """The arguments every ``specjax train`` family shares."""
+    p.add_argument("--target", default="smollm2-135m",
+                   help="the target: a known name, an HF directory or a .gguf (default: %(default)s)")
+    p.add_argument("--data", required=True, help="a 'specjax data distill' output directory")
+    p.add_argument("--run-dir", required=True,
+                   help="checkpoints, metrics.jsonl and metrics.png go here")
+    p.add_argument("--steps", type=int, default=2000, help="optimizer steps (default: %(default)s)")
+    p.add_argument("--batch", type=int, default=8, help="packed rows per batch (default: %(default)s)")
+    p.add_argument("--seq-len", type=int, default=512, help="tokens per row (default: %(default)s)")
+    p.add_argument("--lr", type=float, default=lr, help="peak learning rate (default: %(default)s)")
+    p.add_argument("--warmup", type=float, default=0.05,
+                   help="fraction of the steps that warms up linearly (default: %(default)s)")
+    p.add_argument("--weight-decay", type=float, default=0.01, help="(default: %(default)s)")
+    p.add_argument("--save-every", type=int, default=250, help="(default: %(default)s)")
+    p.add_argument("--log-every", type=int, default=10, help="(default: %(default)s)")
+    p.add_argument("--eval-every", type=int, default=250,
+                   help="steps between evaluations, 0 for none (default: %(default)s)")
+    p.add_argument("--dev-prompts", type=int, default=8,
+                   help="records held out for evaluation (default: %(default)s)")
+    p.add_argument("--eval-tokens", type=int, default=64,
+                   help="new tokens per dev prompt in an evaluation (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="batch order and training randomness (default: %(default)s)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
 def _add_train(sub):
     p = sub.add_parser(
         "train", help="train a drafter on distilled records",
@@ -259,44 +286,50 @@ def _add_train(sub):
                     "--dev-prompts records are held out (never trained on) and evaluated every "
                     "--eval-every steps by greedy speculative decoding: tau, tokens/s and "
                     "whether the output equals plain greedy.")
-    d.add_argument("--target", default="smollm2-135m",
-                   help="the target: a known name, an HF directory or a .gguf (default: %(default)s)")
-    d.add_argument("--data", required=True, help="a 'specjax data distill' output directory")
     d.add_argument("--layers", type=int, default=4,
                    help="target layers the draft model keeps (default: %(default)s)")
-    d.add_argument("--run-dir", required=True,
-                   help="checkpoints, metrics.jsonl and metrics.png go here")
-    d.add_argument("--steps", type=int, default=2000, help="optimizer steps (default: %(default)s)")
-    d.add_argument("--batch", type=int, default=8, help="packed rows per batch (default: %(default)s)")
-    d.add_argument("--seq-len", type=int, default=512, help="tokens per row (default: %(default)s)")
-    d.add_argument("--lr", type=float, default=3e-4, help="peak learning rate (default: %(default)s)")
-    d.add_argument("--warmup", type=float, default=0.05,
-                   help="fraction of the steps that warms up linearly (default: %(default)s)")
-    d.add_argument("--weight-decay", type=float, default=0.01, help="(default: %(default)s)")
-    d.add_argument("--save-every", type=int, default=250, help="(default: %(default)s)")
-    d.add_argument("--log-every", type=int, default=10, help="(default: %(default)s)")
-    d.add_argument("--eval-every", type=int, default=250,
-                   help="steps between evaluations, 0 for none (default: %(default)s)")
-    d.add_argument("--dev-prompts", type=int, default=8,
-                   help="records held out for evaluation (default: %(default)s)")
-    d.add_argument("--eval-tokens", type=int, default=64,
-                   help="new tokens per dev prompt in an evaluation (default: %(default)s)")
     d.add_argument("--draft-len", type=int, default=4,
                    help="drafts per cycle in an evaluation (default: %(default)s)")
-    d.add_argument("--seed", type=int, default=0,
-                   help="batch order and training randomness (default: %(default)s)")
-    d.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _train_args(d)
     d.set_defaults(func=_train_draft_model)
+    for version in (3, 1):
+        e = families.add_parser(
+            f"eagle{version}", help=f"an EAGLE-{version} drafter: one layer over the target's "
+            + ("fused low/mid/high features, training-time test" if version == 3 else
+               "final features, feature regression"),
+            description=(
+                "Train EAGLE-3: one decoder layer over the target's residual streams entering "
+                "layers 2, L//2 and L-3, its own head over a reduced vocabulary of the "
+                "records' most frequent response tokens, trained by the training-time test "
+                "(--ttt-steps unrolled draft steps weighted 0.8^s, soft labels from the "
+                "target's own distribution)." if version == 3 else
+                "Train EAGLE-1: one decoder layer over the target's final normed features, "
+                "SmoothL1 on the next feature plus 0.1 x cross-entropy through the target's "
+                "head.") + " The target stays frozen and runs teacher-forced every step. The "
+                "first --dev-prompts records are held out and decoded every --eval-every steps "
+                "by greedy speculative decoding with an EAGLE-2 dynamic tree: tau, tokens/s "
+                "and whether the output equals plain greedy.")
+        if version == 3:
+            e.add_argument("--draft-vocab", type=int, default=8192,
+                           help="draft vocabulary size (default: %(default)s)")
+            e.add_argument("--ttt-steps", type=int, default=7,
+                           help="unrolled training-time-test steps (default: %(default)s)")
+        e.add_argument("--tree-nodes", type=int, default=16,
+                       help="dynamic tree size in an evaluation, root included (default: "
+                            "%(default)s)")
+        e.add_argument("--tree-depth", type=int, default=5,
+                       help="draft calls per cycle in an evaluation (default: %(default)s)")
+        e.add_argument("--tree-top-k", type=int, default=4,
+                       help="children per expanded node in an evaluation (default: %(default)s)")
+        _train_args(e, lr=1e-3)
+        e.set_defaults(func=_train_eagle, version=version)
 
 
 def _train_draft_model(args) -> int:
     from specjax.io.models import load
     from specjax.train import data, draft_model, evaluate, loop
 
-    cfg = loop.TrainConfig(run_dir=args.run_dir, steps=args.steps, lr=args.lr,
-                           warmup_frac=args.warmup, weight_decay=args.weight_decay,
-                           save_every=args.save_every, eval_every=args.eval_every,
-                           log_every=args.log_every, seed=args.seed)
+    cfg = _train_config(args)
     model = load(args.target)
     dev, train_records = evaluate.hold_out(data.Records(args.data), args.dev_prompts)
     source = loop.PackedSource(train_records, seq_len=args.seq_len, batch_size=args.batch,
@@ -306,6 +339,40 @@ def _train_draft_model(args) -> int:
         draft_len=args.draft_len, eval_tokens=args.eval_tokens,
         stop_tokens=model.tokenizer.eos_ids if model.tokenizer else (),
         progress=not args.no_progress)
+    return _train_done(args, result)
+
+
+def _train_eagle(args) -> int:
+    from specjax.drafters.eagle import DynamicTree
+    from specjax.io.models import load
+    from specjax.train import data, eagle, evaluate, loop
+
+    cfg = _train_config(args)
+    model = load(args.target)
+    dev, train_records = evaluate.hold_out(data.Records(args.data), args.dev_prompts)
+    source = loop.PackedSource(train_records, seq_len=args.seq_len, batch_size=args.batch,
+                               seed=args.seed)
+    extra = (dict(draft_vocab_size=min(args.draft_vocab, model.cfg.vocab_size),
+                  ttt_steps=args.ttt_steps) if args.version == 3 else {})
+    result, _, _ = eagle.train(
+        model.cfg, model.params, train_records, source, cfg, version=args.version,
+        policy=DynamicTree(args.tree_nodes, args.tree_depth, args.tree_top_k), dev_prompts=dev,
+        eval_tokens=args.eval_tokens, seed=args.seed,
+        stop_tokens=model.tokenizer.eos_ids if model.tokenizer else (),
+        progress=not args.no_progress, **extra)
+    return _train_done(args, result)
+
+
+def _train_config(args):
+    from specjax.train import loop
+
+    return loop.TrainConfig(run_dir=args.run_dir, steps=args.steps, lr=args.lr,
+                            warmup_frac=args.warmup, weight_decay=args.weight_decay,
+                            save_every=args.save_every, eval_every=args.eval_every,
+                            log_every=args.log_every, seed=args.seed)
+
+
+def _train_done(args, result) -> int:
     how = (f"stopped by signal {result.signal}; rerun the same command to resume"
            if result.signal else "done")
     print(f"{args.run_dir}: step {result.step} of {args.steps}, {how}", file=sys.stderr)

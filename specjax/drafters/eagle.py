@@ -239,7 +239,7 @@ def _target_ids(cfg: EagleConfig, own: dict, draft_ids: jax.Array) -> jax.Array:
     return draft_ids + own["d2t"][draft_ids] if cfg.version == 3 else draft_ids
 
 
-def _layer_inputs(cfg: EagleConfig, target, params: dict, tokens: jax.Array, hidden: jax.Array,
+def layer_inputs(cfg: EagleConfig, target, params: dict, tokens: jax.Array, hidden: jax.Array,
                   from_target: bool) -> tuple[jax.Array, jax.Array]:
     """``(x [B, T, in], residual [B, T, D])`` of pairs (``hidden`` [B, T, n_taps * E] target
     features when ``from_target``, else [B, T, D] the drafter's own outputs; ``tokens`` [B, T]
@@ -258,7 +258,7 @@ def _layer_inputs(cfg: EagleConfig, target, params: dict, tokens: jax.Array, hid
     return x, x
 
 
-def _decoder_layer(cfg: EagleConfig, own: dict, x, residual, positions, blocks_of):
+def decoder_layer(cfg: EagleConfig, own: dict, x, residual, positions, blocks_of):
     """The draft layer on pairs: ``(out [B, T, D], k_rows, v_rows [B * K, T, H])``.
 
     ``blocks_of(k_rows, v_rows)`` returns the key blocks the queries attend to (it decides
@@ -509,7 +509,7 @@ class EagleDrafter:
         cache = state.cache
         lc, t = self.cfg.layer, tokens.shape[1]
         positions = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
-        x, residual = _layer_inputs(self.cfg, self.target, params, tokens, hidden, True)
+        x, residual = layer_inputs(self.cfg, self.target, params, tokens, hidden, True)
 
         def blocks_of(k_rows, v_rows):
             nonlocal cache
@@ -521,7 +521,7 @@ class EagleDrafter:
             return [attn.KeyBlock(cache_lib.from_storage(k_buf, lc),
                                   cache_lib.from_storage(v_buf, lc), attn.Causal(cache.lengths))]
 
-        out, _, _ = _decoder_layer(self.cfg, params["drafter"], x, residual, positions, blocks_of)
+        out, _, _ = decoder_layer(self.cfg, params["drafter"], x, residual, positions, blocks_of)
         newest = jnp.take_along_axis(out, jnp.maximum(n_new - 1, 0)[:, None, None], axis=1)[:, 0]
         last = jnp.where((n_new > 0)[:, None], newest, state.last)
         return EagleState(cache_lib.advance(cache, n_new), last)
@@ -568,7 +568,7 @@ class EagleDrafter:
 
         def step(col, hidden, tokens, visible, level):
             m = tokens.shape[1]
-            x, residual = _layer_inputs(cfg, self.target, params, tokens, hidden, False)
+            x, residual = layer_inputs(cfg, self.target, params, tokens, hidden, False)
             positions = jnp.broadcast_to(cache.lengths[:, None] + level, (b, m))
 
             def blocks_of(k_rows, v_rows):
@@ -576,7 +576,7 @@ class EagleDrafter:
                 buf["v"] = jax.lax.dynamic_update_slice_in_dim(buf["v"], v_rows, col, axis=1)
                 return [committed, attn.KeyBlock(buf["k"], buf["v"], attn.Dense(visible))]
 
-            out, _, _ = _decoder_layer(cfg, params["drafter"], x, residual, positions, blocks_of)
+            out, _, _ = decoder_layer(cfg, params["drafter"], x, residual, positions, blocks_of)
             return draft_logits(cfg, self.target, params, out), out
 
         return step

@@ -1,0 +1,122 @@
+"""Training EAGLE drafters on a tiny random target: the training-time-test attention pattern,
+EAGLE-3 and EAGLE-1 losses that fall, and a trained drafter whose tau in the real loop rises
+well above an untrained one's."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from specjax import api
+from specjax.config import ModelConfig
+from specjax.drafters import eagle
+from specjax.models import attention as attn
+from specjax.models import target
+from specjax.train import data, evaluate, loop
+from specjax.train import eagle as eagle_train
+
+TINY = ModelConfig(arch="llama", vocab_size=61, d_model=32, n_layers=4, n_heads=4, n_kv_heads=2,
+                   head_dim=8, d_ff=64, max_position_embeddings=256)
+
+
+def _counting_target():
+    """Random layers made weak (x0.01 on their output projections), and a head whose row v + 1 is the direction of token v's
+    embedding: the target mostly counts on by one, with its layers' context mixed into the
+    distribution. One draft layer learns that from a few hundred tokens; a random target's
+    greedy walk it could not, at this size."""
+    p = target.init_params(TINY, 0, scale=0.5)
+    unit = p["embed"] / jnp.linalg.norm(p["embed"], axis=-1, keepdims=True)  # [V, D]
+    head = 8.0 * jnp.roll(unit, 1, axis=0).T  # [D, V]: column v + 1 is token v's direction
+    return dict(p, lm_head=head, layers=tuple(dict(lp, wo=0.01 * lp["wo"], w_down=0.01 * lp["w_down"])
+                                              for lp in p["layers"]))
+
+
+PARAMS = _counting_target()
+SEQ_LEN = 48
+
+
+@pytest.fixture(scope="module")
+def records_dir(tmp_path_factory):
+    """A distilled data directory: random prompts of 3-8 tokens, the target's own greedy
+    responses."""
+    gen = np.random.default_rng(0)
+    prompts = [gen.integers(0, TINY.vocab_size, gen.integers(3, 9)).tolist() for _ in range(40)]
+    responses = api.generate_tokens(TINY, PARAMS, prompts, max_new_tokens=24).tokens
+    arrays = data.shard_arrays(prompts, responses, list(range(len(prompts))),
+                               [False] * len(prompts), TINY.vocab_size)
+    directory = tmp_path_factory.mktemp("records")
+    data.write_atomic(directory / data.shard_name(0), data.npz_bytes(arrays))
+    (directory / data.MANIFEST).write_text(json.dumps(
+        {"settings": {"format_version": data.FORMAT_VERSION}, "n_shards": 1}))
+    return directory
+
+
+@pytest.fixture(scope="module")
+def records(records_dir):
+    return data.Records(records_dir)
+
+
+def test_training_time_test_attention_matches_the_docstring():
+    """Step 2 over a 3-token row, as drawn in specjax.train.eagle's docstring."""
+    drawn = np.array([[1, 0, 0, 1, 0, 0, 1, 0, 0],
+                      [1, 1, 0, 0, 1, 0, 0, 1, 0],
+                      [1, 1, 1, 0, 0, 1, 0, 0, 1]], bool)
+    seg = jnp.ones((1, 3), jnp.int32)
+    rules = [attn.Intersect((attn.Causal(), attn.Segments(seg, seg))), attn.Diagonal(),
+             attn.Diagonal()]
+    got = np.concatenate([np.asarray(attn.dense_mask(r, 1, 3, 3))[0] for r in rules], axis=1)
+    np.testing.assert_array_equal(got, drawn)
+
+
+def _train(records, tmp_path, version, steps, **kw):
+    dev, train_records = evaluate.hold_out(records, 4)
+    source = loop.PackedSource(train_records, seq_len=SEQ_LEN, batch_size=4, seed=0)
+    cfg = loop.TrainConfig(run_dir=str(tmp_path / f"v{version}"), steps=steps, lr=3e-3,
+                           warmup_frac=0.1, save_every=steps, eval_every=steps, log_every=10)
+    result, drafter, own = eagle_train.train(TINY, PARAMS, train_records, source, cfg,
+                                             version=version, dev_prompts=dev, eval_tokens=16,
+                                             progress=False, **kw)
+    rows = loop.MetricsLog(cfg.run_dir).records()
+    return rows, drafter, own
+
+
+def test_eagle3_training_lowers_the_loss_and_raises_tau(records, tmp_path):
+    rows, drafter, own = _train(records, tmp_path, 3, 150, draft_vocab_size=48, ttt_steps=3,
+                                policy=eagle.DynamicTree(n_nodes=8, depth=3, top_k=3))
+    losses = [r["loss"] for r in rows if "loss" in r]
+    taus = [r["eval_tau"] for r in rows if "eval_tau" in r]
+    assert losses[-1] < 0.5 * losses[0]
+    assert len(taus) == 2 and taus[1] > taus[0] + 0.5, taus
+    assert all(r["eval_greedy_equal"] for r in rows if "eval_tau" in r)
+    # The draft vocabulary holds the most frequent response tokens of the training records.
+    counts = eagle_train.token_counts(evaluate.hold_out(records, 4)[1], TINY.vocab_size)
+    ids = np.arange(48) + np.asarray(own["d2t"])
+    assert counts[ids].min() >= np.delete(counts, ids).max()
+
+
+def test_eagle1_training_lowers_the_loss(records, tmp_path):
+    rows, _, _ = _train(records, tmp_path, 1, 60, policy=eagle.DynamicTree(8, 3, 3))
+    losses = [r["loss"] for r in rows if "loss" in r]
+    assert losses[-1] < 0.7 * losses[0]
+
+
+def test_cli_trains_eagle3_with_evaluations(records_dir, tmp_path, monkeypatch):
+    from specjax import cli
+    from specjax.io import models
+
+    monkeypatch.setattr(models, "load", lambda name: models.LoadedModel(TINY, PARAMS, None))
+    run = tmp_path / "run"
+    assert cli.main(["train", "eagle3", "--target", "tiny", "--data", str(records_dir),
+                     "--run-dir", str(run), "--steps", "20", "--batch", "4", "--seq-len",
+                     str(SEQ_LEN), "--draft-vocab", "48", "--ttt-steps", "2", "--tree-nodes", "6",
+                     "--tree-depth", "2", "--tree-top-k", "2", "--eval-every", "20",
+                     "--save-every", "20", "--dev-prompts", "4", "--eval-tokens", "8",
+                     "--no-progress"]) == 0
+    rows = loop.MetricsLog(run).records()
+    assert [r["step"] for r in rows if "eval_tau" in r] == [0, 20]
+    assert all(r["eval_greedy_equal"] for r in rows if "eval_tau" in r)
+    assert (run / loop.CHECKPOINTS).is_dir() and (run / loop.PLOT).stat().st_size > 0
