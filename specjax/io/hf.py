@@ -224,17 +224,18 @@ class Table:
 
 
 def _fuse_qkv(tensors, cfg):
-    """torch q [N * H, D], k [K * H, D], v [K * H, D] -> our wqkv [D, K, G + 2, H]."""
+    """torch q [N * H, in], k [K * H, in], v [K * H, in] -> our wqkv [in, K, G + 2, H] (``in``
+    is D, or 2D for an EAGLE-3 layer)."""
     q, k, v = tensors
-    d, kh, g, h = cfg.d_model, cfg.n_kv_heads, cfg.q_per_kv, cfg.head_dim
-    return np.concatenate([q.T.reshape(d, kh, g, h), k.T.reshape(d, kh, 1, h),
-                           v.T.reshape(d, kh, 1, h)], axis=2)
+    kh, g, h = cfg.n_kv_heads, cfg.q_per_kv, cfg.head_dim
+    return np.concatenate([q.T.reshape(-1, kh, g, h), k.T.reshape(-1, kh, 1, h),
+                           v.T.reshape(-1, kh, 1, h)], axis=2)
 
 
 def _split_qkv(w, cfg):
-    """our wqkv [D, K, G + 2, H] -> torch q [N * H, D], k [K * H, D], v [K * H, D]."""
+    """our wqkv [in, K, G + 2, H] -> torch q [N * H, in], k [K * H, in], v [K * H, in]."""
     g = cfg.q_per_kv
-    return tuple(part.reshape(cfg.d_model, -1).T
+    return tuple(part.reshape(w.shape[0], -1).T
                  for part in (w[:, :, :g], w[:, :, g], w[:, :, g + 1]))
 
 

@@ -1,0 +1,295 @@
+"""Official EAGLE drafter checkpoints: import and export.
+
+The layout of the reference implementation's releases (``yuhuili/EAGLE3-*``,
+``yuhuili/EAGLE-*``), which vLLM and SGLang also serve: a directory with ``config.json`` (a
+Llama config of one layer; EAGLE-3 adds ``draft_vocab_size`` and, when its width differs from
+the target's, ``target_hidden_size``) and ``model.safetensors`` or a torch ``pytorch_model.bin``
+(read here without torch). One name table per version (:data:`EAGLE3_TABLE`,
+:data:`EAGLE1_TABLE`) serves both directions; matrices are torch ``Linear`` weights
+``[out, in]``. EAGLE-3 files hold ``d2t`` (int64 offsets, draft id i is target id
+``i + d2t[i]``) and ``t2d`` (a bool mask over the target vocabulary, the same set); neither
+version stores the embedding, which the drafter reads from its target.
+
+    cfg, own = official.load_eagle("EAGLE3-LLaMA3.1-Instruct-8B", target_cfg)
+    official.save_eagle(cfg, own, "out/")   # config.json + model.safetensors
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from specjax.config import ModelConfig
+from specjax.drafters import eagle
+from specjax.drafters.eagle import EagleConfig
+from specjax.io.hf import COPY, GATE_UP, LINEAR, QKV, Row, SafetensorsFile, Transform, write_safetensors
+
+_D2T = Transform(lambda tensors, cfg: tensors[0].astype(np.int32),
+                 lambda x, cfg: (x.astype(np.int64),))
+
+
+def _layer_rows(prefix: str) -> dict[str, Row]:
+    return {
+        "layer.wqkv": Row(tuple(f"{prefix}self_attn.{x}_proj.weight" for x in "qkv"), QKV),
+        "layer.wo": Row((f"{prefix}self_attn.o_proj.weight",), LINEAR),
+        "layer.mlp_norm": Row((f"{prefix}post_attention_layernorm.weight",), COPY),
+        "layer.w_gate_up": Row((f"{prefix}mlp.gate_proj.weight", f"{prefix}mlp.up_proj.weight"),
+                               GATE_UP),
+        "layer.w_down": Row((f"{prefix}mlp.down_proj.weight",), LINEAR),
+    }
+
+
+# Our dotted key (of the drafter's own params) -> the official tensors.
+EAGLE3_TABLE = {
+    "fc": Row(("fc.weight",), LINEAR),
+    "layer.attn_norm": Row(("midlayer.input_layernorm.weight",), COPY),
+    "layer.hidden_norm": Row(("midlayer.hidden_norm.weight",), COPY),
+    **_layer_rows("midlayer."),
+    "final_norm": Row(("norm.weight",), COPY),
+    "lm_head": Row(("lm_head.weight",), LINEAR),
+    "d2t": Row(("d2t",), _D2T),
+}
+EAGLE1_TABLE = {
+    "fc": Row(("fc.weight",), LINEAR),
+    "fc_bias": Row(("fc.bias",), COPY),
+    **_layer_rows("layers.0."),
+}
+
+
+# ----------------------------------------------------------------------------------------
+# Reading tensors: safetensors, or a torch zip pickle without torch.
+
+
+class _TorchStorage:
+    def __init__(self, dtype):
+        self.dtype = dtype
+
+
+_TORCH_STORAGES = {
+    "FloatStorage": np.float32, "HalfStorage": np.float16, "DoubleStorage": np.float64,
+    "LongStorage": np.int64, "IntStorage": np.int32, "BoolStorage": np.bool_,
+    "ByteStorage": np.uint8, "BFloat16Storage": "bfloat16",
+}
+
+
+def _rebuild_tensor(storage, offset, size, stride, *_):
+    item = storage.itemsize
+    return np.lib.stride_tricks.as_strided(storage[offset:], tuple(size),
+                                           tuple(s * item for s in stride)).copy()
+
+
+class _TorchUnpickler(pickle.Unpickler):
+    """Unpickles a torch state dict into NumPy arrays, allowing only what state dicts use."""
+
+    def __init__(self, file, archive: zipfile.ZipFile, root: str):
+        super().__init__(file)
+        self._archive, self._root = archive, root
+
+    def find_class(self, module, name):
+        if module == "torch._utils" and name == "_rebuild_tensor_v2":
+            return _rebuild_tensor
+        if module == "torch" and name in _TORCH_STORAGES:
+            return _TorchStorage(_TORCH_STORAGES[name])
+        if module == "collections" and name == "OrderedDict":
+            import collections
+
+            return collections.OrderedDict
+        raise pickle.UnpicklingError(f"{module}.{name} is not part of a plain state dict")
+
+    def persistent_load(self, pid):
+        _, storage, key, _, _ = pid
+        raw = self._archive.read(f"{self._root}/data/{key}")
+        if storage.dtype == "bfloat16":
+            import ml_dtypes
+
+            return np.frombuffer(raw, ml_dtypes.bfloat16)
+        return np.frombuffer(raw, storage.dtype)
+
+
+def read_torch_state_dict(path: str | Path) -> dict[str, np.ndarray]:
+    """The tensors of a ``torch.save`` zip file (``pytorch_model.bin``) as NumPy arrays."""
+    path = Path(path)
+    try:
+        archive = zipfile.ZipFile(path)
+    except zipfile.BadZipFile:
+        raise ValueError(f"{path} is not a torch zip checkpoint (legacy torch pickles are not "
+                         "supported; re-save it with torch >= 1.6 or as safetensors)") from None
+    with archive:
+        pkl = [n for n in archive.namelist() if n.endswith("/data.pkl")]
+        if len(pkl) != 1:
+            raise ValueError(f"corrupt torch checkpoint {path}: no single data.pkl")
+        root = pkl[0][: -len("/data.pkl")]
+        with archive.open(pkl[0]) as f:
+            state = _TorchUnpickler(f, archive, root).load()
+    if not isinstance(state, dict):
+        raise ValueError(f"{path} holds a {type(state).__name__}, not a state dict")
+    return dict(state)
+
+
+def _read_tensors(path: Path) -> tuple[dict[str, Any], str]:
+    """``({name: array-like}, file name)`` from ``model.safetensors`` or ``pytorch_model.bin``."""
+    st, pt = path / "model.safetensors", path / "pytorch_model.bin"
+    if st.exists():
+        f = SafetensorsFile(st)
+        return {k: f.get(k) for k in f.keys()}, st.name
+    if pt.exists():
+        return read_torch_state_dict(pt), pt.name
+    raise FileNotFoundError(f"no model.safetensors or pytorch_model.bin in {path}")
+
+
+# ----------------------------------------------------------------------------------------
+# Configs.
+
+
+def _version(tensors) -> int:
+    if "midlayer.self_attn.q_proj.weight" in tensors:
+        return 3
+    if "layers.0.self_attn.q_proj.weight" in tensors:
+        return 1
+    raise ValueError("not an EAGLE drafter: neither midlayer.* (EAGLE-3) nor layers.0.* "
+                     "(EAGLE-1/2) tensors found")
+
+
+def config_from_official(config: dict, tensors, target_cfg: ModelConfig,
+                         dtype: str = "float32") -> EagleConfig:
+    """The :class:`EagleConfig` of an official checkpoint drafting for ``target_cfg``.
+
+    Raises:
+      ValueError: the drafter was made for another target (vocabulary, width), or its config
+        lacks a field.
+    """
+    version = _version(tensors)
+    try:
+        d, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
+        layer = ModelConfig(
+            arch="llama", d_model=d, n_layers=1, n_heads=heads,
+            n_kv_heads=int(config.get("num_key_value_heads", heads)),
+            head_dim=int(config.get("head_dim") or d // heads),
+            d_ff=int(config["intermediate_size"]),
+            vocab_size=int(config.get("draft_vocab_size", config["vocab_size"])
+                           if version == 3 else config["vocab_size"]),
+            # EAGLE-3 drafters were trained with the default base whatever their target uses.
+            rope_theta=float(config.get("rope_theta") or 10000.0),
+            norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+            max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
+            dtype=dtype)
+        vocab = int(config["vocab_size"])
+    except KeyError as e:
+        raise ValueError(f"the drafter's config.json lacks {e.args[0]!r}") from None
+    if config.get("rope_scaling"):
+        raise ValueError(f"rope_scaling {config['rope_scaling']} in a drafter config is not "
+                         "supported (the official drafters have none)")
+    if vocab != target_cfg.vocab_size:
+        raise ValueError(f"the drafter's vocabulary ({vocab}) differs from the target's "
+                         f"({target_cfg.vocab_size}); drafter and target mismatch")
+    target_d = int(config.get("target_hidden_size", d))
+    if target_d != target_cfg.d_model:
+        raise ValueError(f"the drafter reads features of width {target_d}, the target's hidden "
+                         f"size is {target_cfg.d_model}; drafter and target mismatch")
+    if version == 3:
+        taps = eagle.eagle3_taps(target_cfg.n_layers)
+        fc_in = np.shape(tensors["fc.weight"])[1]
+        if fc_in != len(taps) * target_d:
+            raise ValueError(f"fc.weight reads {fc_in} features, not {len(taps)} taps x "
+                             f"{target_d}; drafter and target mismatch")
+        return EagleConfig(3, layer, vocab, target_d, taps)
+    from specjax.models.target import FINAL_NORMED
+
+    return EagleConfig(1, layer, vocab, target_d, (FINAL_NORMED,), fc_bias="fc.bias" in tensors)
+
+
+def config_to_official(cfg: EagleConfig) -> dict:
+    """The ``config.json`` of an official-format checkpoint of ``cfg``."""
+    lc = cfg.layer
+    out = {
+        "architectures": ["LlamaForCausalLMEagle3" if cfg.version == 3 else "LlamaForCausalLM"],
+        "model_type": "llama", "hidden_size": lc.d_model, "intermediate_size": lc.d_ff,
+        "num_attention_heads": lc.n_heads, "num_key_value_heads": lc.n_kv_heads,
+        "head_dim": lc.head_dim, "num_hidden_layers": 1, "hidden_act": "silu",
+        "rms_norm_eps": lc.norm_eps, "rope_theta": lc.rope_theta, "rope_scaling": None,
+        "max_position_embeddings": lc.max_position_embeddings,
+        "vocab_size": cfg.target_vocab_size, "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16" if lc.dtype == "bfloat16" else "float32",
+    }
+    if cfg.version == 3:
+        out["draft_vocab_size"] = cfg.draft_vocab_size
+        if cfg.target_d_model != lc.d_model:
+            out["target_hidden_size"] = cfg.target_d_model
+    else:
+        out["bias"] = cfg.fc_bias
+    return out
+
+
+def _table(cfg: EagleConfig) -> dict[str, Row]:
+    rows = EAGLE3_TABLE if cfg.version == 3 else EAGLE1_TABLE
+    return {k: r for k, r in rows.items() if k != "fc_bias" or cfg.fc_bias}
+
+
+def load_eagle(path: str | Path, target_cfg: ModelConfig,
+               dtype: str = "float32") -> tuple[EagleConfig, dict]:
+    """Loads an official-format EAGLE-1/2/3 drafter directory for ``target_cfg``.
+
+    Returns:
+      ``(cfg, own)``: the drafter's config and its own params (pass them with the target's to
+      :func:`specjax.drafters.eagle.drafter_params`).
+    Raises:
+      FileNotFoundError: no config or tensor file.
+      ValueError: a drafter/target mismatch, a missing or misshapen tensor, an inconsistent
+        ``d2t``/``t2d``.
+    """
+    import jax.numpy as jnp
+
+    path = Path(path)
+    if not (path / "config.json").exists():
+        raise FileNotFoundError(f"no config.json in {path}")
+    tensors, source = _read_tensors(path)
+    cfg = config_from_official(json.loads((path / "config.json").read_text()), tensors,
+                               target_cfg, dtype)
+    if "embed_tokens.weight" in tensors:
+        raise ValueError(f"{path / source} carries its own embed_tokens.weight; drafters with "
+                         "an embedding other than their target's are not supported")
+    lc = cfg.layer
+    own: dict = {"layer": {}}
+    for key, row in _table(cfg).items():
+        missing = [n for n in row.names if n not in tensors]
+        if missing:
+            raise ValueError(f"missing tensor {missing[0]} in {path / source}")
+        leaf = row.transform.to_ours([np.asarray(tensors[n]) for n in row.names], lc)
+        leaf = jnp.asarray(leaf, jnp.int32 if key == "d2t" else lc.jnp_dtype)
+        if key.startswith("layer."):
+            own["layer"][key[len("layer."):]] = leaf
+        else:
+            own[key] = leaf
+    eagle.check_params(cfg, own)
+    if cfg.version == 3 and "t2d" in tensors:
+        ids = np.arange(cfg.draft_vocab_size) + np.asarray(own["d2t"])
+        t2d = np.asarray(tensors["t2d"], bool)
+        if t2d.shape != (cfg.target_vocab_size,) or not np.array_equal(np.flatnonzero(t2d), ids):
+            raise ValueError(f"t2d in {path / source} does not mark exactly the ids d2t maps to")
+    return cfg, own
+
+
+def save_eagle(cfg: EagleConfig, own: dict, out_dir: str | Path) -> Path:
+    """Writes ``own`` as an official-format checkpoint: ``config.json`` + ``model.safetensors``
+    (in the drafter's dtype; EAGLE-3 with ``d2t`` and ``t2d``). Returns the directory."""
+    eagle.check_params(cfg, own)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    flat = {"layer." + k: v for k, v in own["layer"].items()} | {
+        k: v for k, v in own.items() if k != "layer"}
+    tensors = []
+    for key, row in _table(cfg).items():
+        for name, t in zip(row.names, row.transform.from_ours(np.asarray(flat[key]), cfg.layer)):
+            tensors.append((name, np.ascontiguousarray(t)))
+    if cfg.version == 3:
+        t2d = np.zeros(cfg.target_vocab_size, np.bool_)
+        t2d[np.arange(cfg.draft_vocab_size) + np.asarray(own["d2t"])] = True
+        tensors.append(("t2d", t2d))
+    write_safetensors(out / "model.safetensors", tensors)
+    (out / "config.json").write_text(json.dumps(config_to_official(cfg), indent=2) + "\n")
+    return out

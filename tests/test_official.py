@@ -1,0 +1,187 @@
+"""Official EAGLE checkpoints: a torch-written EAGLE-3 file loads and drafts exactly as a torch
+re-implementation of the reference forward does; export and import round-trip; mismatches and
+corrupt files are refused with the problem named."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from specjax.config import ModelConfig
+from specjax.drafters import eagle
+from specjax.drafters.eagle import EagleConfig
+from specjax.io import official
+from specjax.models import attention as attn
+from specjax.models import target
+from specjax.targets import DecoderTarget
+
+TARGET = ModelConfig(arch="llama", vocab_size=64, d_model=32, n_layers=6, n_heads=4,
+                     n_kv_heads=2, head_dim=8, d_ff=48, rope_theta=500000.0)
+TPARAMS = target.init_params(TARGET, 0, scale=0.3)
+DRAFT_VOCAB = 40
+D, N, K, HD, F = 32, 4, 2, 8, 40
+
+
+def _official_eagle3(seed=0):
+    """(config.json dict, {name: float32 torch tensor}) of a random EAGLE-3 drafter in the
+    reference's layout, norms away from 1 so a swapped norm shows."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *s: 0.2 * torch.randn(*s, generator=g)  # noqa: E731
+    ones = lambda: 1 + 0.1 * torch.randn(D, generator=g)  # noqa: E731
+    used = np.sort(np.random.default_rng(seed).choice(TARGET.vocab_size, DRAFT_VOCAB, replace=False))
+    t2d = torch.zeros(TARGET.vocab_size, dtype=torch.bool)
+    t2d[torch.as_tensor(used)] = True
+    sd = {
+        "fc.weight": r(D, 3 * D), "midlayer.hidden_norm.weight": ones(),
+        "midlayer.input_layernorm.weight": ones(),
+        "midlayer.self_attn.q_proj.weight": r(N * HD, 2 * D),
+        "midlayer.self_attn.k_proj.weight": r(K * HD, 2 * D),
+        "midlayer.self_attn.v_proj.weight": r(K * HD, 2 * D),
+        "midlayer.self_attn.o_proj.weight": r(D, N * HD),
+        "midlayer.post_attention_layernorm.weight": ones(),
+        "midlayer.mlp.gate_proj.weight": r(F, D), "midlayer.mlp.up_proj.weight": r(F, D),
+        "midlayer.mlp.down_proj.weight": r(D, F), "norm.weight": ones(),
+        "lm_head.weight": r(DRAFT_VOCAB, D),
+        "d2t": torch.as_tensor(used - np.arange(DRAFT_VOCAB), dtype=torch.int64), "t2d": t2d,
+    }
+    config = {"architectures": ["LlamaForCausalLM"], "hidden_size": D, "intermediate_size": F,
+              "num_attention_heads": N, "num_key_value_heads": K, "num_hidden_layers": 1,
+              "rms_norm_eps": 1e-5, "vocab_size": TARGET.vocab_size,
+              "draft_vocab_size": DRAFT_VOCAB, "max_position_embeddings": 2048}
+    return config, sd
+
+
+def _torch_reference_step(sd, embed, taps, ids):
+    """The reference EAGLE-3 draft step over T pairs (batch 1, causal, positions 0..T-1, RoPE
+    base 10000, HF rotate_half), written from its description: returns (output, logits)."""
+    import torch
+
+    def rms(x, w):
+        return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5))
+
+    def rope(x, pos):  # x [T, heads, HD]
+        inv = 1.0 / (10000.0 ** (torch.arange(0, HD, 2, dtype=torch.float32) / HD))
+        ang = pos[:, None].float() * inv[None]
+        cos, sin = torch.cat([ang.cos()] * 2, -1)[:, None], torch.cat([ang.sin()] * 2, -1)[:, None]
+        rot = torch.cat([-x[..., HD // 2:], x[..., : HD // 2]], -1)
+        return x * cos + rot * sin
+
+    t = ids.shape[0]
+    e = embed[ids]
+    h = taps @ sd["fc.weight"].T
+    x = torch.cat([rms(e, sd["midlayer.input_layernorm.weight"]),
+                   rms(h, sd["midlayer.hidden_norm.weight"])], -1)
+    p = "midlayer.self_attn."
+    q = (x @ sd[p + "q_proj.weight"].T).view(t, N, HD)
+    k = (x @ sd[p + "k_proj.weight"].T).view(t, K, HD)
+    v = (x @ sd[p + "v_proj.weight"].T).view(t, K, HD)
+    pos = torch.arange(t)
+    q, k = rope(q, pos), rope(k, pos)
+    k, v = k.repeat_interleave(N // K, 1), v.repeat_interleave(N // K, 1)
+    scores = torch.einsum("qnh,knh->nqk", q, k) / HD ** 0.5
+    scores = scores.masked_fill(~torch.tril(torch.ones(t, t, dtype=torch.bool)), float("-inf"))
+    o = torch.einsum("nqk,knh->qnh", scores.softmax(-1), v).reshape(t, N * HD)
+    h = h + o @ sd[p + "o_proj.weight"].T
+    m = rms(h, sd["midlayer.post_attention_layernorm.weight"])
+    mlp = torch.nn.functional.silu(m @ sd["midlayer.mlp.gate_proj.weight"].T) * (
+        m @ sd["midlayer.mlp.up_proj.weight"].T)
+    h = h + mlp @ sd["midlayer.mlp.down_proj.weight"].T
+    return h, rms(h, sd["norm.weight"]) @ sd["lm_head.weight"].T
+
+
+@pytest.mark.parametrize("file", ["pytorch_model.bin", "model.safetensors"])
+def test_official_eagle3_drafts_like_the_reference_forward(tmp_path, file):
+    import torch
+    from safetensors.torch import save_file
+
+    config, sd = _official_eagle3()
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    if file == "pytorch_model.bin":
+        torch.save(sd, tmp_path / file)
+    else:
+        save_file(sd, tmp_path / file)
+    cfg, own = official.load_eagle(tmp_path, TARGET)
+    assert cfg.version == 3 and cfg.taps == (2, 3, 3) and cfg.draft_vocab_size == DRAFT_VOCAB
+    assert cfg.layer.rope_theta == 10000.0  # not the target's 500000
+
+    t = 7
+    gen = np.random.default_rng(1)
+    ids = gen.integers(0, TARGET.vocab_size, (1, t))
+    taps = gen.standard_normal((1, t, 3 * D)).astype(np.float32)
+    params = eagle.drafter_params(own, TPARAMS)
+    tgt = DecoderTarget(TARGET)
+    x, res = eagle.layer_inputs(cfg, tgt, params, jnp.asarray(ids), jnp.asarray(taps), True)
+    out, _, _ = eagle.decoder_layer(
+        cfg, own, x, res, jnp.arange(t)[None],
+        lambda k, v: [attn.KeyBlock(k, v, attn.Causal())])
+    logits = eagle.draft_logits(cfg, tgt, params, out)
+    with torch.no_grad():
+        want_out, want_logits = _torch_reference_step(
+            {k: v.float() for k, v in sd.items()}, torch.as_tensor(np.array(TPARAMS["embed"])),
+            torch.as_tensor(taps[0]), torch.as_tensor(ids[0]))
+    np.testing.assert_allclose(np.asarray(out[0]), want_out.numpy(), rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(np.asarray(logits[0]), want_logits.numpy(), rtol=1e-4, atol=1e-4)
+    np.testing.assert_array_equal(np.arange(DRAFT_VOCAB) + np.asarray(own["d2t"]),
+                                  np.flatnonzero(sd["t2d"].numpy()))
+
+
+@pytest.mark.parametrize("version", [3, 1])
+def test_export_then_import_round_trips(tmp_path, version):
+    cfg = (EagleConfig.eagle3(TARGET, draft_vocab_size=DRAFT_VOCAB) if version == 3
+           else EagleConfig.eagle1(TARGET, fc_bias=True))
+    own = eagle.init_params(cfg, 3, scale=0.2)
+    if version == 3:
+        own["d2t"] = jnp.asarray(eagle.draft_vocab(np.arange(TARGET.vocab_size), DRAFT_VOCAB))
+    official.save_eagle(cfg, own, tmp_path)
+    names = set(json.loads((tmp_path / "config.json").read_text()))
+    assert {"hidden_size", "num_attention_heads", "vocab_size"} <= names
+    cfg2, own2 = official.load_eagle(tmp_path, TARGET)
+    assert cfg2 == cfg
+    assert jax.tree.structure(own2) == jax.tree.structure(own)
+    jax.tree.map(lambda x, y: np.testing.assert_array_equal(np.asarray(x), np.asarray(y)),
+                 own, own2)
+
+
+def _variant(tmp_path, config, sd, name):
+    """A copy of the checkpoint with tensors ``sd`` in ``tmp_path / name``."""
+    import torch
+
+    path = tmp_path / name
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(config))
+    torch.save(sd, path / "pytorch_model.bin")
+    return path
+
+
+def test_mismatches_and_corrupt_files_name_the_problem(tmp_path):
+    import torch
+
+    config, sd = _official_eagle3()
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    torch.save(sd, tmp_path / "pytorch_model.bin")
+    with pytest.raises(ValueError, match=r"vocabulary \(64\) differs from the target's \(80\)"):
+        official.load_eagle(tmp_path, TARGET.replace(vocab_size=80))
+    with pytest.raises(ValueError, match="features of width 32, the target's hidden size is 48"):
+        official.load_eagle(tmp_path, TARGET.replace(d_model=48))
+    narrow = _variant(tmp_path, config, dict(sd, **{"fc.weight": torch.zeros(D, 2 * D)}), "fc")
+    with pytest.raises(ValueError, match="fc.weight reads 64 features, not 3 taps x 32"):
+        official.load_eagle(narrow, TARGET)
+    bad = _variant(tmp_path, config, dict(sd, t2d=torch.zeros(TARGET.vocab_size, dtype=torch.bool)),
+                   "t2d")
+    with pytest.raises(ValueError, match="t2d .* does not mark exactly the ids d2t maps to"):
+        official.load_eagle(bad, TARGET)
+    missing = _variant(tmp_path, config, {k: v for k, v in sd.items() if k != "norm.weight"},
+                       "missing")
+    with pytest.raises(ValueError, match="missing tensor norm.weight"):
+        official.load_eagle(missing, TARGET)
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "config.json").write_text(json.dumps(config))
+    (tmp_path / "broken" / "pytorch_model.bin").write_bytes(b"not a zip")
+    with pytest.raises(ValueError, match="not a torch zip checkpoint"):
+        official.load_eagle(tmp_path / "broken", TARGET)
