@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from pathlib import Path
 
 
 def _add_generate(sub):
@@ -38,15 +39,60 @@ def _add_generate(sub):
     p.add_argument("--cache-size", type=int, default=None,
                    help="KV cache slots per row (default: just enough)")
     spec = p.add_argument_group("speculative decoding (lossless: greedy output is unchanged)")
-    spec.add_argument("--method", choices=("plain", "ngram", "draft-model"), default="plain",
-                      help="plain decoding, prompt-lookup drafting, or a draft model made of "
-                           "the target's first --draft-layers layers (default: %(default)s)")
+    spec.add_argument("--method", choices=("plain", "ngram", "draft-model", "eagle3", "eagle1"),
+                      default="plain",
+                      help="plain decoding, prompt-lookup drafting, a draft model made of the "
+                           "target's first --draft-layers layers, or an EAGLE drafter "
+                           "(default: %(default)s)")
     spec.add_argument("--draft-len", type=int, default=4, help="drafts per branch per cycle (default: %(default)s)")
     spec.add_argument("--branches", type=int, default=1,
                       help="n-gram match chains per cycle, a tree when > 1 (default: %(default)s)")
     spec.add_argument("--draft-layers", type=int, default=4,
                       help="target layers the self-speculative draft model keeps (default: %(default)s)")
+    spec.add_argument("--drafter", default=None,
+                      help="an EAGLE drafter directory in the official layout (config.json + "
+                           "model.safetensors or pytorch_model.bin; ours or a released one); "
+                           "default: the drafter shipped for --model in checkpoints/")
+    spec.add_argument("--tree", choices=("dynamic", "chain", "sampled-chain"), default="dynamic",
+                      help="EAGLE drafting: an EAGLE-2 dynamic tree, a top-1 chain of "
+                           "--draft-len, or a chain sampled from the drafter (default: %(default)s)")
+    spec.add_argument("--tree-nodes", type=int, default=16,
+                      help="dynamic tree size, root included (default: %(default)s)")
+    spec.add_argument("--tree-depth", type=int, default=5,
+                      help="dynamic tree draft calls per cycle (default: %(default)s)")
+    spec.add_argument("--tree-top-k", type=int, default=4,
+                      help="dynamic tree children per expanded node (default: %(default)s)")
     p.set_defaults(func=_generate)
+
+
+SHIPPED = Path(__file__).resolve().parent.parent / "checkpoints"
+
+
+def shipped_drafter(model: str, method: str) -> Path:
+    """The drafter shipped in ``checkpoints/`` for a known model name and method."""
+    path = SHIPPED / f"{model}-{method}"
+    if not (path / "config.json").exists():
+        raise ValueError(f"no {method} drafter is shipped for {model!r} (looked in {path}); "
+                         f"train one with 'specjax train {method}' and pass --drafter DIR")
+    return path
+
+
+def _eagle_drafter(args, cfg, params):
+    from specjax.drafters import eagle
+    from specjax.io import official
+    from specjax.targets import DecoderTarget
+    from specjax.tree import StaticTree
+
+    path = Path(args.drafter) if args.drafter else shipped_drafter(args.model, args.method)
+    dcfg, own = official.load_eagle(path, cfg, dtype=cfg.dtype)
+    if dcfg.version != int(args.method[-1]):
+        raise ValueError(f"{path} holds an EAGLE-{dcfg.version} drafter, not {args.method}")
+    policy = {"dynamic": lambda: eagle.DynamicTree(args.tree_nodes, args.tree_depth,
+                                                   args.tree_top_k),
+              "chain": lambda: StaticTree.chain(args.draft_len + 1),
+              "sampled-chain": lambda: eagle.SampledChain(args.draft_len)}[args.tree]()
+    return (eagle.EagleDrafter(dcfg, DecoderTarget(cfg), policy),
+            eagle.drafter_params(own, params))
 
 
 def make_drafter(args, cfg, params):
@@ -59,6 +105,8 @@ def make_drafter(args, cfg, params):
         from specjax.drafters.draft_model import DraftModelDrafter
 
         return DraftModelDrafter.from_target_layers(cfg, params, args.draft_layers, args.draft_len)
+    if args.method in ("eagle3", "eagle1"):
+        return _eagle_drafter(args, cfg, params)
     return None, None
 
 
@@ -354,12 +402,19 @@ def _train_eagle(args) -> int:
                                seed=args.seed)
     extra = (dict(draft_vocab_size=min(args.draft_vocab, model.cfg.vocab_size),
                   ttt_steps=args.ttt_steps) if args.version == 3 else {})
-    result, _, _ = eagle.train(
+    result, drafter, own = eagle.train(
         model.cfg, model.params, train_records, source, cfg, version=args.version,
         policy=DynamicTree(args.tree_nodes, args.tree_depth, args.tree_top_k), dev_prompts=dev,
         eval_tokens=args.eval_tokens, seed=args.seed,
         stop_tokens=model.tokenizer.eos_ids if model.tokenizer else (),
         progress=not args.no_progress, **extra)
+    if not result.signal:
+        from specjax.io import official
+
+        out = official.save_eagle(drafter.cfg, own, Path(args.run_dir) / "drafter",
+                                  dtype="bfloat16")
+        print(f"{out}: the trained drafter in the official layout (bfloat16); use it with "
+              f"'specjax generate --method eagle{args.version} --drafter {out}'", file=sys.stderr)
     return _train_done(args, result)
 
 

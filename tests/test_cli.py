@@ -91,6 +91,35 @@ def test_greedy_text_same_for_every_method(cli_model, capsys):
     assert texts["ngram"] == texts["plain"] and texts["draft-model"] == texts["plain"]
 
 
+@pytest.mark.parametrize("tree", ["dynamic", "chain"])
+def test_eagle_drafter_from_a_directory_keeps_the_greedy_text(cli_model, tmp_path, capsys, tree):
+    """An EAGLE-1 drafter exported in the official layout drives 'generate --method eagle1'
+    (the tiny model has too few layers for EAGLE-3's taps); the text is plain greedy's."""
+    from specjax.drafters import eagle
+    from specjax.io import load, official
+
+    path, _ = cli_model
+    cfg = eagle.EagleConfig.eagle1(load(path).cfg)
+    official.save_eagle(cfg, eagle.init_params(cfg, 0, scale=0.2), tmp_path / "drafter")
+    argv = ["generate", "--model", str(path), "--prompt", PROMPT, "--max-new-tokens", "8"]
+    rc, plain, _ = _run(capsys, *argv)
+    rc, out, err = _run(capsys, *argv, "--method", "eagle1", "--drafter",
+                        str(tmp_path / "drafter"), "--tree", tree, "--tree-nodes", "6",
+                        "--tree-depth", "2", "--tree-top-k", "2", "--draft-len", "3")
+    assert rc == 0, err
+    assert re.search(r"\[eagle1: \d+ verify cycles, tau = [\d.]+", err), err
+    assert out == plain
+    rc, _, err = _run(capsys, *argv, "--method", "eagle3", "--drafter", str(tmp_path / "drafter"))
+    assert rc != 0 and "EAGLE-1 drafter, not eagle3" in err
+
+
+def test_eagle_without_a_shipped_drafter_says_what_to_do(cli_model, capsys):
+    path, _ = cli_model
+    rc, _, err = _run(capsys, "generate", "--model", str(path), "--prompt", PROMPT,
+                      "--method", "eagle1")
+    assert rc != 0 and "no eagle1 drafter is shipped" in err and "--drafter" in err
+
+
 def test_raw_prompt_batch_prints_each_row(cli_model, capsys):
     path, _ = cli_model
     rc, out, err = _run(capsys, "generate", "--model", str(path), "--raw", "--prompt", PROMPT,

@@ -120,3 +120,9 @@ def test_cli_trains_eagle3_with_evaluations(records_dir, tmp_path, monkeypatch):
     assert [r["step"] for r in rows if "eval_tau" in r] == [0, 20]
     assert all(r["eval_greedy_equal"] for r in rows if "eval_tau" in r)
     assert (run / loop.CHECKPOINTS).is_dir() and (run / loop.PLOT).stat().st_size > 0
+    # The finished run exported its drafter in the official layout, in bfloat16.
+    from specjax.io import official
+
+    cfg, own = official.load_eagle(run / "drafter", TINY)
+    assert cfg.version == 3 and cfg.draft_vocab_size == 48
+    assert "BF16" in (run / "drafter" / "model.safetensors").read_bytes()[:4096].decode("latin1")

@@ -16,6 +16,7 @@ version stores the embedding, which the drafter reads from its target.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pickle
 import zipfile
@@ -274,10 +275,19 @@ def load_eagle(path: str | Path, target_cfg: ModelConfig,
     return cfg, own
 
 
-def save_eagle(cfg: EagleConfig, own: dict, out_dir: str | Path) -> Path:
+def save_eagle(cfg: EagleConfig, own: dict, out_dir: str | Path,
+               dtype: str | None = None) -> Path:
     """Writes ``own`` as an official-format checkpoint: ``config.json`` + ``model.safetensors``
-    (in the drafter's dtype; EAGLE-3 with ``d2t`` and ``t2d``). Returns the directory."""
+    (floats in ``dtype``, default the drafter's; EAGLE-3 with ``d2t`` and ``t2d``). Returns the
+    directory."""
+    import jax
+    import jax.numpy as jnp
+
     eagle.check_params(cfg, own)
+    if dtype is not None:
+        cfg = dataclasses.replace(cfg, layer=cfg.layer.replace(dtype=dtype))
+        own = jax.tree.map(lambda x: x.astype(cfg.layer.jnp_dtype)
+                           if jnp.issubdtype(x.dtype, jnp.floating) else x, own)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     flat = {"layer." + k: v for k, v in own["layer"].items()} | {
