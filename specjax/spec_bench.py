@@ -12,7 +12,10 @@ times move with whatever else the machine runs):
    (``calibrate.VerifyCosts.fastest_plain_step``: one row in float32, two rows in bfloat16) and
    against the fastest plain step at any precision.
 2. **Drafters on a copy-heavy task** at temperature 0: "rewrite this function" prompts built from
-   functions of Python's own standard library (present on every machine). For plain decoding
+   functions of Python's own standard library (present on every machine), or the first turns
+   of a JSONL prompt file (``--prompt-file``, e.g. MT-Bench's ``question.jsonl:turns``). With
+   ``--methods eagle3 --drafter DIR`` an EAGLE drafter runs as chains of each draft length and
+   as dynamic trees of each ``--tree-nodes`` size. For plain decoding
    and each drafter: τ (tokens per verify cycle), decode seconds, speedup over plain decoding
    at the same precision (the lossless comparison), speedup over the fastest plain decoding at
    any precision (what a user feels), and efficiency = speedup / τ. Greedy outputs must match
@@ -60,6 +63,24 @@ def copy_prompts(n: int) -> list[str]:
     return out
 
 
+def file_prompts(spec: str, n: int) -> list[str]:
+    """The first ``n`` prompts of ``PATH[:field]`` (JSONL; a list-valued field gives its first
+    element, e.g. a conversation's first turn; the default field is ``prompt``)."""
+    import json
+
+    path, sep, field = spec.rpartition(":")
+    if not sep or not field.isidentifier():
+        path, field = spec, "prompt"
+    out = []
+    with open(path) as f:
+        for line in f:
+            if len(out) == n:
+                break
+            value = json.loads(line)[field]
+            out.append(value[0] if isinstance(value, list) else value)
+    return out
+
+
 def _decode_seconds(cfg, params, ids, max_new_tokens, cache_size, drafter, dparams):
     kw = dict(cache_size=cache_size, drafter=drafter, drafter_params=dparams)
     full = api.generate_tokens(cfg, params, [ids], max_new_tokens=max_new_tokens, **kw)
@@ -71,7 +92,8 @@ def run_spec_benchmark(model, prompts: Sequence[str], *, max_new_tokens: int = 1
                        nodes: Sequence[int] = (1, 2, 4, 8, 16, 32, 64), repeats: int = 2,
                        draft_lens: Sequence[int] = (4, 8), draft_layers: int = 4,
                        methods: Sequence[str] = ("ngram", "draft-model"),
-                       dtypes: Sequence[str] = ("float32", "bfloat16"), log=print) -> dict:
+                       dtypes: Sequence[str] = ("float32", "bfloat16"), drafter_dir=None,
+                       tree_nodes: Sequence[int] = (8, 16), log=print) -> dict:
     """Runs both measurements (module docstring) and returns them as a dict."""
     cfg, params, tok = model.cfg, model.params, model.tokenizer
     cfg16 = cfg.replace(dtype="bfloat16")
@@ -94,8 +116,28 @@ def run_spec_benchmark(model, prompts: Sequence[str], *, max_new_tokens: int = 1
     for k in draft_lens if "draft-model" in methods else ():
         d, dp = DraftModelDrafter.from_target_layers(cfg, params, draft_layers, draft_len=k)
         configs[f"draft-model L={draft_layers} k={k}"] = (cfg, params, d, dp)
+    if {"eagle3", "eagle1"} & set(methods):
+        from specjax.drafters import eagle
+        from specjax.io import official
+        from specjax.targets import DecoderTarget
+        from specjax.tree import StaticTree
+
+        if drafter_dir is None:
+            raise ValueError("--methods eagle3/eagle1 needs --drafter DIR")
+        ecfg, own = official.load_eagle(drafter_dir, cfg)
+        dp = eagle.drafter_params(own, params)
+        name = f"eagle{ecfg.version}"
+        for k in draft_lens:
+            configs[f"{name} chain k={k}"] = (
+                cfg, params, eagle.EagleDrafter(ecfg, DecoderTarget(cfg), StaticTree.chain(k + 1)),
+                dp)
+        for n in tree_nodes:
+            tree = eagle.DynamicTree(n, depth=5, top_k=4)
+            configs[f"{name} tree N={n}"] = (
+                cfg, params, eagle.EagleDrafter(ecfg, DecoderTarget(cfg), tree), dp)
     encoded = [tok.encode_chat([{"role": "user", "content": p}]) for p in prompts]
-    cache_size = api.round_up(max(map(len, encoded)) + max_new_tokens + max(draft_lens) + 2,
+    widest = max([d.n_nodes for _, _, d, _ in configs.values() if d is not None] + [2])
+    cache_size = api.round_up(max(map(len, encoded)) + max_new_tokens + widest + 1,
                               api.CACHE_MULTIPLE)
     best = {name: [np.inf] * len(encoded) for name in configs}
     outputs, taus = {}, {name: [] for name in configs}
@@ -141,7 +183,7 @@ def format_report(result: dict) -> str:
         cells = [f"N={n}: {s * 1e3:.1f} [{s / c['plain_step']:.2f}x; {s / fastest_any:.2f}x]"
                  for n, s in zip(c["nodes"], c["seconds"])]
         lines.append(f"  {dtype:9s} " + "  ".join(cells))
-    lines += ["", f"{result['prompts']} copy-heavy prompts x {result['max_new_tokens']} new "
+    lines += ["", f"{result['prompts']} prompts x {result['max_new_tokens']} new "
               "tokens, temperature 0:",
               f"  {'configuration':26s} {'tok/s':>7s} {'tau':>5s} {'speedup':>8s} "
               f"{'vs fastest':>10s} {'efficiency':>10s}  output"]
@@ -171,7 +213,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--draft-lens", default="4,8")
     parser.add_argument("--draft-layers", type=int, default=4)
     parser.add_argument("--methods", default="ngram,draft-model",
-                        help="drafters to run: ngram, draft-model (comma-separated)")
+                        help="drafters to run: ngram, draft-model, eagle3, eagle1 (comma-separated)")
+    parser.add_argument("--drafter", default=None,
+                        help="the EAGLE drafter directory (official layout) for eagle3/eagle1")
+    parser.add_argument("--tree-nodes", default="8,16",
+                        help="EAGLE dynamic tree sizes, root included")
+    parser.add_argument("--prompt-file", default=None,
+                        help="JSONL prompts as PATH[:field] instead of the copy-heavy task")
     parser.add_argument("--dtypes", default="float32,bfloat16",
                         help="precisions for the verify curve and plain decoding")
     args = parser.parse_args(argv)
@@ -179,11 +227,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                                                            else argv)))
     from specjax.io import load
 
+    prompts = (file_prompts(args.prompt_file, args.prompts) if args.prompt_file
+               else copy_prompts(args.prompts))
     result = run_spec_benchmark(
-        load(args.model), copy_prompts(args.prompts), max_new_tokens=args.max_new_tokens,
+        load(args.model), prompts, max_new_tokens=args.max_new_tokens,
         nodes=[int(n) for n in args.nodes.split(",")], repeats=args.repeats,
         draft_lens=[int(k) for k in args.draft_lens.split(",")], draft_layers=args.draft_layers,
-        methods=args.methods.split(","), dtypes=args.dtypes.split(","))
+        methods=args.methods.split(","), dtypes=args.dtypes.split(","),
+        drafter_dir=args.drafter, tree_nodes=[int(n) for n in args.tree_nodes.split(",")])
     print(format_report(result))
     return 0
 

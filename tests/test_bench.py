@@ -56,3 +56,11 @@ def test_hf_engine_model_computes_our_logits():
     ours, _, _ = jax.jit(target.forward, static_argnums=1)(
         params, cfg, jnp.asarray(tokens), jnp.arange(9)[None], cache_lib.init_cache(cfg, 1, 9))
     np.testing.assert_allclose(ours, theirs, atol=1e-4, rtol=0)
+
+
+def test_prompt_file_takes_first_turns_or_a_named_field(tmp_path):
+    path = tmp_path / "q.jsonl"
+    path.write_text('{"turns": ["first a", "second a"], "prompt": "p1"}\n'
+                    '{"turns": ["first b"], "prompt": "p2"}\n{"turns": ["first c"], "prompt": "p3"}\n')
+    assert spec_bench.file_prompts(f"{path}:turns", 2) == ["first a", "first b"]
+    assert spec_bench.file_prompts(str(path), 5) == ["p1", "p2", "p3"]
