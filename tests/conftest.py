@@ -6,7 +6,6 @@ them never pay the ~7 s transformers import.
 
 from __future__ import annotations
 
-import gc
 import importlib.metadata
 
 import pytest
@@ -75,19 +74,3 @@ def smollm2():
     from specjax.io import load
 
     return load("smollm2-135m")
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _release_compiled_programs():
-    """Drop JAX's compiled programs after every test module.
-
-    One pytest process compiles thousands of XLA programs over the suite, and each keeps its
-    JIT-compiled code mapped; a whole-suite run crashed with a segmentation fault inside an XLA
-    compile late in the suite (the machine allows 65,530 memory maps per process). No test
-    relies on a compile cached by another module.
-    """
-    yield
-    import jax
-
-    jax.clear_caches()
-    gc.collect()
