@@ -374,14 +374,9 @@ def _add_train(sub):
 
 
 def _train_draft_model(args) -> int:
-    from specjax.io.models import load
-    from specjax.train import data, draft_model, evaluate, loop
+    from specjax.train import draft_model
 
-    cfg = _train_config(args)
-    model = load(args.target)
-    dev, train_records = evaluate.hold_out(data.Records(args.data), args.dev_prompts)
-    source = loop.PackedSource(train_records, seq_len=args.seq_len, batch_size=args.batch,
-                               seed=args.seed)
+    cfg, model, dev, train_records, source = _train_inputs(args)
     result, _, _ = draft_model.train(
         model.cfg, model.params, source, cfg, layers=args.layers, dev_prompts=dev,
         draft_len=args.draft_len, eval_tokens=args.eval_tokens,
@@ -392,14 +387,9 @@ def _train_draft_model(args) -> int:
 
 def _train_eagle(args) -> int:
     from specjax.drafters.eagle import DynamicTree
-    from specjax.io.models import load
-    from specjax.train import data, eagle, evaluate, loop
+    from specjax.train import eagle
 
-    cfg = _train_config(args)
-    model = load(args.target)
-    dev, train_records = evaluate.hold_out(data.Records(args.data), args.dev_prompts)
-    source = loop.PackedSource(train_records, seq_len=args.seq_len, batch_size=args.batch,
-                               seed=args.seed)
+    cfg, model, dev, train_records, source = _train_inputs(args)
     extra = (dict(draft_vocab_size=min(args.draft_vocab, model.cfg.vocab_size),
                   ttt_steps=args.ttt_steps) if args.version == 3 else {})
     result, drafter, own = eagle.train(
@@ -416,6 +406,18 @@ def _train_eagle(args) -> int:
         print(f"{out}: the trained drafter in the official layout (bfloat16); use it with "
               f"'specjax generate --method eagle{args.version} --drafter {out}'", file=sys.stderr)
     return _train_done(args, result)
+
+
+def _train_inputs(args):
+    """``(train config, loaded target, dev prompts, training records, packed source)``."""
+    from specjax.io.models import load
+    from specjax.train import data, evaluate, loop
+
+    model = load(args.target)
+    dev, train_records = evaluate.hold_out(data.Records(args.data), args.dev_prompts)
+    source = loop.PackedSource(train_records, seq_len=args.seq_len, batch_size=args.batch,
+                               seed=args.seed)
+    return _train_config(args), model, dev, train_records, source
 
 
 def _train_config(args):

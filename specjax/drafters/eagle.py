@@ -487,10 +487,11 @@ class EagleDrafter:
     def check_target(self, target) -> None:
         """Raises ValueError when the drafter's widths, vocabulary or taps do not fit
         ``target`` (a :class:`~specjax.targets.DraftingTarget`)."""
-        for name in ("embed", "lm_head", "d_model", "n_layers"):
-            if not hasattr(target, name):
-                raise ValueError(f"EAGLE needs a DraftingTarget (embed, lm_head, widths); the "
-                                 f"target lacks {name!r}")
+        from specjax.targets import DraftingTarget
+
+        if not isinstance(target, DraftingTarget):
+            raise ValueError("EAGLE needs a DraftingTarget (embed, lm_head, final_norm, widths; "
+                             f"specjax.targets), got {type(target).__name__}")
         cfg = self.cfg
         if cfg.target_vocab_size != target.vocab_size:
             raise ValueError(f"the drafter was built for a vocabulary of {cfg.target_vocab_size}"
