@@ -240,6 +240,13 @@ def _usable(proposal: Proposal, vocab_size: int) -> jax.Array:
     return ok
 
 
+def cycle_keys(rng: jax.Array, cycle: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(draft key, verify key)`` of the cycle after ``cycle`` cycles: two independent keys,
+    so nothing a drafter draws is ever drawn again by verification."""
+    draft_key, verify_key = jax.random.split(jax.random.fold_in(rng, cycle + 1))
+    return draft_key, verify_key
+
+
 def _first_stop(emitted: jax.Array, count: jax.Array, stop_tokens: tuple[int, ...]):
     """Cuts each row's emitted run at its first stop token.
 
@@ -324,8 +331,7 @@ def speculative_generate(
 
     def body(s: SpecState):
         ctx = Context(s.seq, s.seq_len, sp)
-        key = jax.random.fold_in(s.rng, s.cycle + 1)
-        draft_key, verify_key = jax.random.split(key)
+        draft_key, verify_key = cycle_keys(s.rng, s.cycle)
         proposal, dstate = drafter.propose(drafter_params, s.dstate, ctx, draft_key)
         running = ~s.done
         usable = _usable(proposal, target.vocab_size)
