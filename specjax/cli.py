@@ -39,29 +39,39 @@ def _add_generate(sub):
     p.add_argument("--cache-size", type=int, default=None,
                    help="KV cache slots per row (default: just enough)")
     spec = p.add_argument_group("speculative decoding (lossless: greedy output is unchanged)")
-    spec.add_argument("--method", choices=("plain", "ngram", "draft-model", "eagle3", "eagle1"),
+    spec.add_argument("--method", choices=("plain", "ngram", "draft-model", "eagle3", "eagle1",
+                                           "dflash", "ddtree"),
                       default="plain",
                       help="plain decoding, prompt-lookup drafting, a draft model made of the "
-                           "target's first --draft-layers layers, or an EAGLE drafter "
-                           "(default: %(default)s)")
+                           "target's first --draft-layers layers, an EAGLE drafter, a DFlash "
+                           "block drafter (a chain) or a DDTree over its block (default: "
+                           "%(default)s)")
     spec.add_argument("--draft-len", type=int, default=4, help="drafts per branch per cycle (default: %(default)s)")
     spec.add_argument("--branches", type=int, default=1,
                       help="n-gram match chains per cycle, a tree when > 1 (default: %(default)s)")
     spec.add_argument("--draft-layers", type=int, default=4,
                       help="target layers the self-speculative draft model keeps (default: %(default)s)")
     spec.add_argument("--drafter", default=None,
-                      help="an EAGLE drafter directory in the official layout (config.json + "
-                           "model.safetensors or pytorch_model.bin; ours or a released one); "
-                           "default: the drafter shipped for --model in checkpoints/")
+                      help="an EAGLE or DFlash drafter directory in the official layout "
+                           "(config.json + model.safetensors or pytorch_model.bin; ours or a "
+                           "released one); default: the drafter shipped for --model in "
+                           "checkpoints/")
     spec.add_argument("--tree", choices=("dynamic", "chain", "sampled-chain"), default="dynamic",
                       help="EAGLE drafting: an EAGLE-2 dynamic tree, a top-1 chain of "
                            "--draft-len, or a chain sampled from the drafter (default: %(default)s)")
     spec.add_argument("--tree-nodes", type=int, default=16,
-                      help="dynamic tree size, root included (default: %(default)s)")
+                      help="dynamic tree or DDTree size, root included (default: %(default)s)")
     spec.add_argument("--tree-depth", type=int, default=5,
                       help="dynamic tree draft calls per cycle (default: %(default)s)")
     spec.add_argument("--tree-top-k", type=int, default=4,
                       help="dynamic tree children per expanded node (default: %(default)s)")
+    spec.add_argument("--block", type=int, default=None,
+                      help="DFlash: the block drafted per pass, root included (default: the "
+                           "drafter's trained block size)")
+    spec.add_argument("--draft-sample", action="store_true",
+                      help="DFlash chain at temperature > 0: draw each position from the "
+                           "drafter's processed marginal and verify with it as q, instead of "
+                           "proposing the argmax")
     p.set_defaults(func=_generate)
 
 
@@ -95,6 +105,21 @@ def _eagle_drafter(args, cfg, params):
             eagle.drafter_params(own, params))
 
 
+def _dflash_drafter(args, cfg, params):
+    from specjax.drafters import dflash
+    from specjax.io import official
+    from specjax.targets import DecoderTarget
+
+    path = Path(args.drafter) if args.drafter else shipped_drafter(args.model, "dflash")
+    dcfg, own = official.load_dflash(path, cfg, dtype=cfg.dtype)
+    if args.method == "ddtree":
+        policy = dflash.DDTree(args.tree_nodes)
+    else:
+        policy = dflash.SampledBlock() if args.draft_sample else dflash.BlockChain()
+    return (dflash.DFlashDrafter(dcfg, DecoderTarget(cfg), policy, args.block),
+            dflash.drafter_params(own, params))
+
+
 def make_drafter(args, cfg, params):
     """The (drafter, drafter params) that ``--method`` names; (None, None) for plain."""
     if args.method == "ngram":
@@ -107,6 +132,8 @@ def make_drafter(args, cfg, params):
         return DraftModelDrafter.from_target_layers(cfg, params, args.draft_layers, args.draft_len)
     if args.method in ("eagle3", "eagle1"):
         return _eagle_drafter(args, cfg, params)
+    if args.method in ("dflash", "ddtree"):
+        return _dflash_drafter(args, cfg, params)
     return None, None
 
 
@@ -371,6 +398,34 @@ def _add_train(sub):
                        help="children per expanded node in an evaluation (default: %(default)s)")
         _train_args(e, lr=1e-3)
         e.set_defaults(func=_train_eagle, version=version)
+    f = families.add_parser(
+        "dflash", help="a DFlash block drafter: target features injected into every layer's K/V",
+        description="Train DFlash: --layers draft layers over the fused outputs of --taps "
+                    "target layers (the reference's default rule), injected into every draft "
+                    "layer's keys/values; blocks of --block-size ([anchor, mask...]) at up to "
+                    "--anchors random anchors per row, trained in one pass, cross-entropy on "
+                    "the target's own responses weighted exp(-(k-1)/gamma) by block position "
+                    "(or D-PACE). The target's embedding and head are shared and frozen; the "
+                    "target runs teacher-forced every step. The first --dev-prompts records "
+                    "are held out and decoded every --eval-every steps by greedy speculative "
+                    "decoding with the block chain: tau, tokens/s and whether the output "
+                    "equals plain greedy.")
+    f.add_argument("--layers", type=int, default=1, help="draft layers (default: %(default)s)")
+    f.add_argument("--block-size", type=int, default=16,
+                   help="block size, anchor included (default: %(default)s)")
+    f.add_argument("--taps", type=int, default=5,
+                   help="target layers fused into the context (default: %(default)s)")
+    f.add_argument("--mask-token", default="learned",
+                   help="a target token id whose frozen embedding fills the masks, or 'learned' "
+                        "for a trained mask embedding (default: %(default)s)")
+    f.add_argument("--anchors", type=int, default=64,
+                   help="random anchors per packed row (default: %(default)s)")
+    f.add_argument("--gamma", type=float, default=None,
+                   help="position decay of the loss (default: 7 / 5 / 4 for block 16 / 10 / 8)")
+    f.add_argument("--dpace", action="store_true",
+                   help="adaptive D-PACE position weights instead of the decay")
+    _train_args(f, lr=6e-4)
+    f.set_defaults(func=_train_dflash, warmup=0.04)
 
 
 def _train_draft_model(args) -> int:
@@ -405,6 +460,30 @@ def _train_eagle(args) -> int:
                                   dtype="bfloat16")
         print(f"{out}: the trained drafter in the official layout (bfloat16); use it with "
               f"'specjax generate --method eagle{args.version} --drafter {out}'", file=sys.stderr)
+    return _train_done(args, result)
+
+
+def _train_dflash(args) -> int:
+    from specjax.drafters.dflash import DFlashConfig
+    from specjax.train import dflash
+
+    cfg, model, dev, _, source = _train_inputs(args)
+    mask = None if args.mask_token == "learned" else int(args.mask_token)
+    dcfg = DFlashConfig.for_target(model.cfg, n_layers=args.layers, block_size=args.block_size,
+                                   mask_token_id=mask, n_taps=args.taps)
+    result, drafter, own = dflash.train(
+        model.cfg, model.params, source, cfg, dcfg,
+        recipe=dflash.Recipe(n_anchors=args.anchors, gamma=args.gamma, dpace=args.dpace),
+        dev_prompts=dev, eval_tokens=args.eval_tokens, seed=args.seed,
+        stop_tokens=model.tokenizer.eos_ids if model.tokenizer else (),
+        progress=not args.no_progress)
+    if not result.signal:
+        from specjax.io import official
+
+        out = official.save_dflash(drafter.cfg, own, Path(args.run_dir) / "drafter",
+                                   dtype="bfloat16")
+        print(f"{out}: the trained drafter in the official layout (bfloat16); use it with "
+              f"'specjax generate --method dflash --drafter {out}'", file=sys.stderr)
     return _train_done(args, result)
 
 

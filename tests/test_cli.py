@@ -113,6 +113,25 @@ def test_eagle_drafter_from_a_directory_keeps_the_greedy_text(cli_model, tmp_pat
     assert rc != 0 and "EAGLE-1 drafter, not eagle3" in err
 
 
+@pytest.mark.parametrize("method", ["dflash", "ddtree"])
+def test_dflash_drafter_from_a_directory_keeps_the_greedy_text(cli_model, tmp_path, capsys,
+                                                               method):
+    from specjax.drafters import dflash
+    from specjax.io import load, official
+
+    path, _ = cli_model
+    cfg = dflash.DFlashConfig.for_target(load(path).cfg, n_layers=1, block_size=4,
+                                         target_layer_ids=(0, 1))
+    official.save_dflash(cfg, dflash.init_params(cfg, 0, scale=0.2), tmp_path / "drafter")
+    argv = ["generate", "--model", str(path), "--prompt", PROMPT, "--max-new-tokens", "8"]
+    rc, plain, _ = _run(capsys, *argv)
+    rc, out, err = _run(capsys, *argv, "--method", method, "--drafter",
+                        str(tmp_path / "drafter"), "--tree-nodes", "6")
+    assert rc == 0, err
+    assert re.search(rf"\[{method}: \d+ verify cycles, tau = [\d.]+", err), err
+    assert out == plain
+
+
 def test_eagle_without_a_shipped_drafter_says_what_to_do(cli_model, capsys):
     path, _ = cli_model
     rc, _, err = _run(capsys, "generate", "--model", str(path), "--prompt", PROMPT,

@@ -17,11 +17,12 @@ from specjax import api, decode, sampling
 from specjax.config import ModelConfig
 from specjax.drafters import dflash
 from specjax.drafters.base import Prefill
+from specjax.io import official
 from specjax.drafters.dflash import BlockChain, DDTree, DFlashConfig, DFlashDrafter, SampledBlock
-from specjax.models import cache as cache_lib
-from specjax.models import layers, target
+from specjax.models import target
 from specjax.targets import DecoderTarget
 
+import dflash_reference
 from laws import PARAMS8, PROMPT8, TINY8, chi_square_p, exact_transformer_law
 
 TINY = ModelConfig(arch="llama", vocab_size=61, d_model=32, n_layers=5, n_heads=4, n_kv_heads=2,
@@ -117,60 +118,6 @@ def test_the_drafter_cache_equals_a_fresh_prefill_of_the_committed_sequence():
 # KV injection against an independent dense formulation.
 
 
-def _rms(x, w, eps):
-    return w * (x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps))
-
-
-def _rope(x, pos, theta):  # x [T, heads, H], rotate-half layout
-    h = x.shape[-1]
-    inv = 1.0 / theta ** (np.arange(0, h, 2) / h)
-    ang = pos[:, None] * inv[None, :]
-    c, s = np.cos(ang)[:, None, :], np.sin(ang)[:, None, :]
-    x1, x2 = x[..., : h // 2], x[..., h // 2:]
-    return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
-
-
-def _dense_block_logits(cfg, own, taps, roots_emb_block, start):
-    """One row in float64 NumPy: context and block concatenated, each layer's k/v of both
-    through its own projections, one explicit [Bk, T + Bk] mask (causal and sliding layers
-    as the config says), plain softmax attention. Returns the final normed states."""
-    lc = cfg.layer
-    eps, g, kh, h = lc.norm_eps, lc.q_per_kv, lc.n_kv_heads, lc.head_dim
-    f64 = lambda x: np.asarray(x, np.float64)  # noqa: E731
-    ctx = f64(taps).reshape(start, -1) @ f64(own["fc"])
-    ctx = _rms(ctx, f64(own["hidden_norm"]), eps)
-    x = f64(roots_emb_block)
-    bk = x.shape[0]
-    pos_ctx, pos_blk = np.arange(start), start + np.arange(bk)
-    for i, p in enumerate(own["layers"]):
-        pos_all = np.concatenate([pos_ctx, pos_blk])
-        mask = np.concatenate([np.ones((bk, start), bool),
-                               np.tril(np.ones((bk, bk), bool)) if cfg.causal(i)
-                               else np.ones((bk, bk), bool)], axis=1)
-        if cfg.window(i) is not None:
-            mask &= pos_blk[:, None] - pos_all[None, :] < cfg.window(i)
-        w = f64(p["wqkv"])  # [D, K, G + 2, H]
-        xn = _rms(x, f64(p["attn_norm"]), eps)
-        both = np.concatenate([ctx, xn], axis=0)  # [T + Bk, D]
-        qkv_blk = np.einsum("td,dkjh->tkjh", xn, w)
-        kv_all = np.einsum("td,dkjh->tkjh", both, w[:, :, g:])
-        q = _rms(qkv_blk[:, :, :g].reshape(bk, kh * g, h), f64(p["q_norm"]), eps)
-        q = _rope(q, pos_blk, lc.rope_theta)
-        k = _rope(_rms(kv_all[:, :, 0], f64(p["k_norm"]), eps),
-                  np.concatenate([pos_ctx, pos_blk]), lc.rope_theta)
-        v = kv_all[:, :, 1]
-        out = np.zeros((bk, kh * g, h))
-        for head in range(kh * g):
-            s = q[:, head] @ k[:, head // g].T / np.sqrt(h)
-            s = np.where(mask, s, -np.inf)
-            a = np.exp(s - s.max(-1, keepdims=True))
-            out[:, head] = (a / a.sum(-1, keepdims=True)) @ v[:, head // g]
-        x = x + out.reshape(bk, -1) @ f64(p["wo"])
-        gu = np.einsum("td,djf->tjf", _rms(x, f64(p["mlp_norm"]), eps), f64(p["w_gate_up"]))
-        x = x + (gu[:, 0] / (1 + np.exp(-gu[:, 0])) * gu[:, 1]) @ f64(p["w_down"])
-    return _rms(x, f64(own["norm"]), eps)[1:]
-
-
 @pytest.mark.parametrize("cfg, own", [(CFG, OWN), (CFG_TOKEN, OWN_TOKEN)],
                          ids=["full-learned-mask", "causal-token-mask"])
 def test_kv_injection_equals_a_dense_formulation(cfg, own):
@@ -183,10 +130,14 @@ def test_kv_injection_equals_a_dense_formulation(cfg, own):
     state = drafter.init(dp, Prefill(prompt, prompt_len, taps, roots, 32))
     got = np.asarray(drafter.block_logits(dp, state, roots))  # [2, Bk - 1, V]
     emb = dflash.embed_block(cfg, TGT, dp, roots, cfg.block_size)
+    lc = cfg.layer
     for row in range(2):
-        n = int(lengths[row])
-        want = _dense_block_logits(cfg, own, np.asarray(taps[row, :n]), np.asarray(emb[row]), n)
-        want = np.asarray(TGT.lm_head(PARAMS, jnp.asarray(want, jnp.float32)))
+        states = dflash_reference.block_states(
+            dict(official.dflash_tensors(cfg, own)), n_layers=lc.n_layers, n_heads=lc.n_heads,
+            n_kv_heads=lc.n_kv_heads, head_dim=lc.head_dim, eps=lc.norm_eps,
+            theta=lc.rope_theta, taps=np.asarray(taps[row, : int(lengths[row])]),
+            block_emb=np.asarray(emb[row]), causal=cfg.causal, window=cfg.window)
+        want = np.asarray(TGT.lm_head(PARAMS, jnp.asarray(states, jnp.float32)))
         np.testing.assert_allclose(got[row], want, rtol=2e-4, atol=2e-4 * np.abs(want).max())
 
 

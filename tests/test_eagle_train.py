@@ -4,55 +4,24 @@ well above an untrained one's."""
 
 from __future__ import annotations
 
-import json
-
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specjax import api
-from specjax.config import ModelConfig
 from specjax.drafters import eagle
 from specjax.models import attention as attn
-from specjax.models import target
 from specjax.train import data, evaluate, loop
 from specjax.train import eagle as eagle_train
 
-TINY = ModelConfig(arch="llama", vocab_size=61, d_model=32, n_layers=4, n_heads=4, n_kv_heads=2,
-                   head_dim=8, d_ff=64, max_position_embeddings=256)
+from counting import TINY, counting_target, write_records
 
-
-def _counting_target():
-    """Random layers made weak (x0.01 on their output projections), and a head whose row v + 1 is the direction of token v's
-    embedding: the target mostly counts on by one, with its layers' context mixed into the
-    distribution. One draft layer learns that from a few hundred tokens; a random target's
-    greedy walk it could not, at this size."""
-    p = target.init_params(TINY, 0, scale=0.5)
-    unit = p["embed"] / jnp.linalg.norm(p["embed"], axis=-1, keepdims=True)  # [V, D]
-    head = 8.0 * jnp.roll(unit, 1, axis=0).T  # [D, V]: column v + 1 is token v's direction
-    return dict(p, lm_head=head, layers=tuple(dict(lp, wo=0.01 * lp["wo"], w_down=0.01 * lp["w_down"])
-                                              for lp in p["layers"]))
-
-
-PARAMS = _counting_target()
+PARAMS = counting_target()
 SEQ_LEN = 48
 
 
 @pytest.fixture(scope="module")
 def records_dir(tmp_path_factory):
-    """A distilled data directory: random prompts of 3-8 tokens, the target's own greedy
-    responses."""
-    gen = np.random.default_rng(0)
-    prompts = [gen.integers(0, TINY.vocab_size, gen.integers(3, 9)).tolist() for _ in range(40)]
-    responses = api.generate_tokens(TINY, PARAMS, prompts, max_new_tokens=24).tokens
-    arrays = data.shard_arrays(prompts, responses, list(range(len(prompts))),
-                               [False] * len(prompts), TINY.vocab_size)
-    directory = tmp_path_factory.mktemp("records")
-    data.write_atomic(directory / data.shard_name(0), data.npz_bytes(arrays))
-    (directory / data.MANIFEST).write_text(json.dumps(
-        {"settings": {"format_version": data.FORMAT_VERSION}, "n_shards": 1}))
-    return directory
+    return write_records(tmp_path_factory.mktemp("records"), TINY, PARAMS)
 
 
 @pytest.fixture(scope="module")

@@ -185,3 +185,117 @@ def test_mismatches_and_corrupt_files_name_the_problem(tmp_path):
     (tmp_path / "broken" / "pytorch_model.bin").write_bytes(b"not a zip")
     with pytest.raises(ValueError, match="not a torch zip checkpoint"):
         official.load_eagle(tmp_path / "broken", TARGET)
+
+
+# ------------------------------------------------------------------------------------------
+# DFlash.
+
+DF_LAYERS, DF_BLOCK = 2, 4
+
+
+def _official_dflash(seed=0, mask_token_id=60):
+    """(config.json dict, {name: float32 torch tensor}) of a random DFlash drafter in the
+    z-lab layout (block_size at top level, dflash_config), norms away from 1."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *s: 0.2 * torch.randn(*s, generator=g)  # noqa: E731
+    ones = lambda n=D: 1 + 0.1 * torch.randn(n, generator=g)  # noqa: E731
+    ids = [1, 3, 4]
+    sd = {"fc.weight": r(D, len(ids) * D), "hidden_norm.weight": ones(), "norm.weight": ones()}
+    for i in range(DF_LAYERS):
+        p = f"layers.{i}."
+        sd |= {p + "input_layernorm.weight": ones(), p + "post_attention_layernorm.weight": ones(),
+               p + "self_attn.q_proj.weight": r(N * HD, D), p + "self_attn.k_proj.weight": r(K * HD, D),
+               p + "self_attn.v_proj.weight": r(K * HD, D), p + "self_attn.o_proj.weight": r(D, N * HD),
+               p + "self_attn.q_norm.weight": ones(HD), p + "self_attn.k_norm.weight": ones(HD),
+               p + "mlp.gate_proj.weight": r(F, D), p + "mlp.up_proj.weight": r(F, D),
+               p + "mlp.down_proj.weight": r(D, F)}
+    config = {"architectures": ["DFlashDraftModel"], "model_type": "qwen3",
+              "block_size": DF_BLOCK, "dflash_config": {"mask_token_id": mask_token_id,
+                                                        "target_layer_ids": ids},
+              "num_target_layers": TARGET.n_layers, "num_hidden_layers": DF_LAYERS,
+              "hidden_size": D, "intermediate_size": F, "num_attention_heads": N,
+              "num_key_value_heads": K, "head_dim": HD, "rms_norm_eps": 1e-6,
+              "rope_theta": 1e6, "rope_scaling": None, "vocab_size": TARGET.vocab_size,
+              "layer_types": ["full_attention", "sliding_attention"], "sliding_window": 6}
+    return config, sd
+
+
+def test_official_dflash_drafts_like_an_independent_dense_forward(tmp_path):
+    """A torch-written z-lab-layout file loads, and its block pass equals a dense float64
+    forward computed from the file's own tensors (not through our name table)."""
+    import torch
+
+    import dflash_reference
+    from specjax.drafters import dflash
+
+    config, sd = _official_dflash()
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    torch.save(sd, tmp_path / "pytorch_model.bin")
+    cfg, own = official.load_dflash(tmp_path, TARGET)
+    assert (cfg.block_size, cfg.target_layer_ids, cfg.mask_token_id) == (DF_BLOCK, (1, 3, 4), 60)
+    assert cfg.taps == (2, 4, 5) and cfg.causal(1) and not cfg.causal(0) and cfg.window(1) == 6
+    tgt = DecoderTarget(TARGET)
+    drafter = dflash.DFlashDrafter(cfg, tgt)
+    dp = dflash.drafter_params(own, TPARAMS)
+    prompt = jnp.asarray([[3, 9, 27, 1, 5, 8, 13, 2, 2]], jnp.int32)
+    plen = jnp.asarray([9], jnp.int32)
+    _, taps, _ = target.prefill(TPARAMS, TARGET, prompt, plen, 32, cfg.taps)
+    from specjax.drafters.base import Prefill
+
+    roots = jnp.asarray([11], jnp.int32)
+    state = drafter.init(dp, Prefill(prompt, plen, taps, roots, 32))
+    got = np.asarray(drafter.block_logits(dp, state, roots))[0]
+    states = dflash_reference.block_states(
+        {k: v.numpy() for k, v in sd.items()}, n_layers=DF_LAYERS, n_heads=N, n_kv_heads=K,
+        head_dim=HD, eps=1e-6, theta=1e6, taps=np.asarray(taps[0]),
+        block_emb=np.asarray(dflash.embed_block(cfg, tgt, dp, roots, DF_BLOCK)[0]),
+        causal=lambda i: i == 1, window=lambda i: 6 if i == 1 else None)
+    want = np.asarray(tgt.lm_head(TPARAMS, jnp.asarray(states, jnp.float32)))
+    np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-4 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("learned", [False, True], ids=["mask-token", "learned-mask"])
+def test_dflash_export_then_import_round_trips(tmp_path, learned):
+    from specjax.drafters import dflash
+    from specjax.drafters.dflash import DFlashConfig
+
+    cfg = DFlashConfig.for_target(TARGET, n_layers=2, block_size=8,
+                                  mask_token_id=None if learned else 5, n_taps=3)
+    own = dflash.init_params(cfg, 4, scale=0.2)
+    official.save_dflash(cfg, own, tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["block_size"] == 8 and config["dflash_config"]["mask_token_id"] == (
+        None if learned else 5)
+    cfg2, own2 = official.load_dflash(tmp_path, TARGET)
+    assert cfg2 == cfg
+    assert jax.tree.structure(own2) == jax.tree.structure(own)
+    jax.tree.map(lambda x, y: np.testing.assert_array_equal(np.asarray(x), np.asarray(y)),
+                 own, own2)
+
+
+def test_dflash_mismatches_name_the_problem(tmp_path):
+    import torch
+
+    config, sd = _official_dflash()
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    torch.save(sd, tmp_path / "pytorch_model.bin")
+    with pytest.raises(ValueError, match=r"vocabulary \(64\) differs from the target's \(80\)"):
+        official.load_dflash(tmp_path, TARGET.replace(vocab_size=80))
+    with pytest.raises(ValueError, match="hidden size 32 differs from the target's 48"):
+        official.load_dflash(tmp_path, TARGET.replace(d_model=48))
+    with pytest.raises(ValueError, match=r"taps target layers \[1, 3, 4\], the target has "
+                                         r"layers 0..3"):
+        official.load_dflash(tmp_path, TARGET.replace(n_layers=4))
+    no_mask = dict(config, dflash_config={"target_layer_ids": [1, 3, 4]})
+    with pytest.raises(ValueError, match="no mask token"):
+        official.load_dflash(_variant(tmp_path, no_mask, sd, "nomask"), TARGET)
+    narrow = _variant(tmp_path, config, dict(sd, **{"fc.weight": torch.zeros(D, 2 * D)}), "fc")
+    with pytest.raises(ValueError, match="fc.weight reads 64 features, not 3 target layers x 32"):
+        official.load_dflash(narrow, TARGET)
+    missing = _variant(tmp_path, config,
+                       {k: v for k, v in sd.items() if k != "layers.1.self_attn.k_norm.weight"},
+                       "missing")
+    with pytest.raises(ValueError, match="missing tensor layers.1.self_attn.k_norm.weight"):
+        official.load_dflash(missing, TARGET)

@@ -99,7 +99,8 @@ class DFlashConfig:
       target_n_layers: L of the target the drafter was made for.
       mask_token_id: the target id whose embedding fills the masks, or None for a learned
         ``mask_embedding``.
-      layer_types: per draft layer, ``"full_attention"`` or ``"sliding_attention"``.
+      layer_types: per draft layer, ``"full_attention"`` or ``"sliding_attention"`` (None:
+        all full).
       sliding_window: the window of sliding layers (None when there are none).
       is_causal: None: a layer is causal inside the block iff it is a sliding layer; True or
         False: every layer is (or is not).
@@ -118,6 +119,10 @@ class DFlashConfig:
         if self.block_size < 2:
             raise ValueError(f"a DFlash block holds the root and at least one mask, got "
                              f"block_size={self.block_size}")
+        if self.layer_types is None:  # frozen: normalise through object.__setattr__
+            object.__setattr__(self, "layer_types", ("full_attention",) * self.layer.n_layers)
+        object.__setattr__(self, "layer_types", tuple(self.layer_types))
+        object.__setattr__(self, "target_layer_ids", tuple(self.target_layer_ids))
         if not self.target_layer_ids:
             raise ValueError("DFlash needs at least one target layer")
         bad = [i for i in self.target_layer_ids if not 0 <= i < self.target_n_layers]
@@ -138,7 +143,8 @@ class DFlashConfig:
 
     @property
     def types(self) -> tuple[str, ...]:
-        return self.layer_types or ("full_attention",) * self.layer.n_layers
+        """Per draft layer, its attention type (``layer_types``, all full when not given)."""
+        return self.layer_types
 
     @property
     def d_model(self) -> int:

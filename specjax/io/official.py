@@ -1,4 +1,4 @@
-"""Official EAGLE drafter checkpoints: import and export.
+"""Official EAGLE and DFlash drafter checkpoints: import and export.
 
 The layout of the reference implementation's releases (``yuhuili/EAGLE3-*``,
 ``yuhuili/EAGLE-*``), which vLLM and SGLang also serve: a directory with ``config.json`` (a
@@ -12,6 +12,15 @@ version stores the embedding, which the drafter reads from its target.
 
     cfg, own = official.load_eagle("EAGLE3-LLaMA3.1-Instruct-8B", target_cfg)
     official.save_eagle(cfg, own, "out/")   # config.json + model.safetensors
+
+DFlash drafters (``z-lab/*-DFlash-*``) are Qwen3-typed stacks without embedding or head:
+``config.json`` carries ``block_size``, ``num_target_layers``, ``layer_types`` and
+``dflash_config`` (``target_layer_ids``, ``mask_token_id``); the tensors are ``fc``,
+``hidden_norm``, ``norm`` and ``layers.{i}.*`` (:data:`DFLASH_TABLE`). A drafter with a
+learned mask embedding writes ``mask_token_id: null`` and a ``mask_embedding`` [hidden] tensor.
+
+    cfg, own = official.load_dflash("Qwen3-8B-DFlash-b16", target_cfg)
+    official.save_dflash(cfg, own, "out/")
 """
 
 from __future__ import annotations
@@ -28,7 +37,8 @@ import numpy as np
 from specjax.config import ModelConfig
 from specjax.drafters import eagle
 from specjax.drafters.eagle import EagleConfig
-from specjax.io.hf import COPY, GATE_UP, LINEAR, QKV, Row, SafetensorsFile, Transform, write_safetensors
+from specjax.io.hf import (COPY, GATE_UP, LINEAR, QKV, Row, SafetensorsFile, Transform, _rope,
+                           write_safetensors)
 
 _D2T = Transform(lambda tensors, cfg: tensors[0].astype(np.int32),
                  lambda x, cfg: (x.astype(np.int64),))
@@ -302,4 +312,190 @@ def save_eagle(cfg: EagleConfig, own: dict, out_dir: str | Path,
         tensors.append(("t2d", t2d))
     write_safetensors(out / "model.safetensors", tensors)
     (out / "config.json").write_text(json.dumps(config_to_official(cfg), indent=2) + "\n")
+    return out
+
+
+# ----------------------------------------------------------------------------------------
+# DFlash.
+
+_DL = "layers.{i}."
+# Our dotted key of the drafter's own params ({i}: draft layer) -> the official tensors.
+DFLASH_TABLE = {
+    "fc": Row(("fc.weight",), LINEAR),
+    "hidden_norm": Row(("hidden_norm.weight",), COPY),
+    "norm": Row(("norm.weight",), COPY),
+    "mask_embedding": Row(("mask_embedding",), COPY),
+    "layers.{i}.attn_norm": Row((_DL + "input_layernorm.weight",), COPY),
+    "layers.{i}.wqkv": Row(tuple(_DL + f"self_attn.{x}_proj.weight" for x in "qkv"), QKV),
+    "layers.{i}.q_norm": Row((_DL + "self_attn.q_norm.weight",), COPY),
+    "layers.{i}.k_norm": Row((_DL + "self_attn.k_norm.weight",), COPY),
+    "layers.{i}.wo": Row((_DL + "self_attn.o_proj.weight",), LINEAR),
+    "layers.{i}.mlp_norm": Row((_DL + "post_attention_layernorm.weight",), COPY),
+    "layers.{i}.w_gate_up": Row((_DL + "mlp.gate_proj.weight", _DL + "mlp.up_proj.weight"),
+                                GATE_UP),
+    "layers.{i}.w_down": Row((_DL + "mlp.down_proj.weight",), LINEAR),
+}
+
+
+def _dflash_rows(cfg):
+    """``(path into own, row with the layer filled in)`` of every leaf of ``cfg``'s params."""
+    for key, row in DFLASH_TABLE.items():
+        if key == "mask_embedding" and cfg.mask_token_id is not None:
+            continue
+        if "{i}" not in key:
+            yield (key,), row
+            continue
+        for i in range(cfg.layer.n_layers):
+            yield (("layers", i, key.rsplit(".", 1)[1]),
+                   Row(tuple(n.format(i=i) for n in row.names), row.transform))
+
+
+def dflash_config_from_official(config: dict, target_cfg: ModelConfig, has_mask_embedding: bool,
+                                dtype: str = "float32"):
+    """The :class:`~specjax.drafters.dflash.DFlashConfig` of an official DFlash config drafting
+    for ``target_cfg``.
+
+    Raises:
+      ValueError: the drafter was made for another target (width, vocabulary, layers), it has
+        no mask (neither ``mask_token_id`` nor a ``mask_embedding`` tensor), or its config lacks
+        a field.
+    """
+    from specjax.drafters import dflash
+
+    extra = config.get("dflash_config") or {}
+    try:
+        d, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
+        n_layers = int(config["num_hidden_layers"])
+        block = int(config.get("block_size") or extra["block_size"])
+        vocab = int(config["vocab_size"])
+    except KeyError as e:
+        raise ValueError(f"the DFlash config.json lacks {e.args[0]!r}") from None
+    if d != target_cfg.d_model:
+        raise ValueError(f"the drafter's hidden size {d} differs from the target's "
+                         f"{target_cfg.d_model}; drafter and target mismatch")
+    if vocab != target_cfg.vocab_size:
+        raise ValueError(f"the drafter's vocabulary ({vocab}) differs from the target's "
+                         f"({target_cfg.vocab_size}); drafter and target mismatch")
+    n_target = int(config.get("num_target_layers", target_cfg.n_layers))
+    ids = extra.get("target_layer_ids")
+    ids = (tuple(int(i) for i in ids) if ids is not None
+           else dflash.default_layer_ids(n_target, n_layers))
+    if max(ids) >= target_cfg.n_layers:
+        raise ValueError(f"the drafter taps target layers {list(ids)}, the target has layers "
+                         f"0..{target_cfg.n_layers - 1}; drafter and target mismatch")
+    mask_id = extra.get("mask_token_id", config.get("mask_token_id"))
+    if mask_id is None and not has_mask_embedding:
+        raise ValueError("the DFlash drafter has no mask token: dflash_config.mask_token_id is "
+                         "missing and there is no mask_embedding tensor")
+    if config.get("attention_bias"):
+        raise ValueError("attention_bias=true is not supported (DFlash layers have no biases)")
+    theta, scaling = _rope(config)
+    layer = ModelConfig(
+        arch="qwen3", d_model=d, n_layers=n_layers, n_heads=heads,
+        n_kv_heads=int(config.get("num_key_value_heads", heads)),
+        head_dim=int(config.get("head_dim") or d // heads),
+        d_ff=int(config["intermediate_size"]), vocab_size=vocab, rope_theta=theta,
+        rope_scaling=scaling, norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+        max_position_embeddings=int(config.get("max_position_embeddings", 32768)), dtype=dtype)
+    types = config.get("layer_types")
+    return dflash.DFlashConfig(
+        layer, block, ids, n_target, None if mask_id is None else int(mask_id),
+        tuple(types) if types else None,
+        int(config["sliding_window"]) if types and "sliding_attention" in types else None,
+        config.get("is_causal"))
+
+
+def dflash_config_to_official(cfg) -> dict:
+    """The ``config.json`` of an official-format checkpoint of a DFlash config."""
+    lc = cfg.layer
+    out = {
+        "architectures": ["DFlashDraftModel"], "model_type": "qwen3",
+        "block_size": cfg.block_size,
+        "dflash_config": {"mask_token_id": cfg.mask_token_id,
+                          "target_layer_ids": list(cfg.target_layer_ids)},
+        "num_target_layers": cfg.target_n_layers, "num_hidden_layers": lc.n_layers,
+        "hidden_size": lc.d_model, "intermediate_size": lc.d_ff,
+        "num_attention_heads": lc.n_heads, "num_key_value_heads": lc.n_kv_heads,
+        "head_dim": lc.head_dim, "hidden_act": "silu", "rms_norm_eps": lc.norm_eps,
+        "rope_theta": lc.rope_theta, "rope_scaling": None if lc.rope_scaling is None else {
+            "rope_type": "llama3", **dataclasses.asdict(lc.rope_scaling)},
+        "max_position_embeddings": lc.max_position_embeddings, "attention_bias": False,
+        "layer_types": list(cfg.types), "sliding_window": cfg.sliding_window,
+        "tie_word_embeddings": False, "vocab_size": cfg.vocab_size,
+        "torch_dtype": "bfloat16" if lc.dtype == "bfloat16" else "float32",
+    }
+    if cfg.is_causal is not None:
+        out["is_causal"] = cfg.is_causal
+    return out
+
+
+def load_dflash(path: str | Path, target_cfg: ModelConfig, dtype: str = "float32"):
+    """Loads an official-format DFlash drafter directory for ``target_cfg``.
+
+    Returns:
+      ``(cfg, own)``: the drafter's config and its own params (pass them with the target's to
+      :func:`specjax.drafters.dflash.drafter_params`).
+    Raises:
+      FileNotFoundError: no config or tensor file.
+      ValueError: a drafter/target mismatch, no mask, a missing or misshapen tensor.
+    """
+    import jax.numpy as jnp
+
+    from specjax.drafters import dflash
+
+    path = Path(path)
+    if not (path / "config.json").exists():
+        raise FileNotFoundError(f"no config.json in {path}")
+    tensors, source = _read_tensors(path)
+    if "fc.weight" not in tensors or "layers.0.self_attn.q_proj.weight" not in tensors:
+        raise ValueError(f"{path / source} is not a DFlash drafter: no fc.weight and "
+                         "layers.0.* tensors")
+    cfg = dflash_config_from_official(json.loads((path / "config.json").read_text()),
+                                      target_cfg, "mask_embedding" in tensors, dtype)
+    fc_in = np.shape(tensors["fc.weight"])[1]
+    if fc_in != len(cfg.target_layer_ids) * target_cfg.d_model:
+        raise ValueError(f"fc.weight reads {fc_in} features, not {len(cfg.target_layer_ids)} "
+                         f"target layers x {target_cfg.d_model}; drafter and target mismatch")
+    own: dict = {"layers": [{} for _ in range(cfg.layer.n_layers)]}
+    for where, row in _dflash_rows(cfg):
+        missing = [n for n in row.names if n not in tensors]
+        if missing:
+            raise ValueError(f"missing tensor {missing[0]} in {path / source}")
+        leaf = jnp.asarray(row.transform.to_ours([np.asarray(tensors[n]) for n in row.names],
+                                                 cfg.layer), cfg.layer.jnp_dtype)
+        if len(where) == 1:
+            own[where[0]] = leaf
+        else:
+            own["layers"][where[1]][where[2]] = leaf
+    dflash.check_params(cfg, own)
+    return cfg, own
+
+
+def dflash_tensors(cfg, own: dict) -> list[tuple[str, np.ndarray]]:
+    """``(official name, array)`` of every tensor of a DFlash drafter, torch layout."""
+    tensors = []
+    for where, row in _dflash_rows(cfg):
+        leaf = own[where[0]] if len(where) == 1 else own["layers"][where[1]][where[2]]
+        for name, t in zip(row.names, row.transform.from_ours(np.asarray(leaf), cfg.layer)):
+            tensors.append((name, np.ascontiguousarray(t)))
+    return tensors
+
+
+def save_dflash(cfg, own: dict, out_dir: str | Path, dtype: str | None = None) -> Path:
+    """Writes a DFlash drafter's ``own`` params as an official-format checkpoint:
+    ``config.json`` + ``model.safetensors`` (in ``dtype``, default the drafter's). Returns the
+    directory."""
+    import jax
+    import jax.numpy as jnp
+
+    from specjax.drafters import dflash
+
+    dflash.check_params(cfg, own)
+    if dtype is not None:
+        cfg = dataclasses.replace(cfg, layer=cfg.layer.replace(dtype=dtype))
+        own = jax.tree.map(lambda x: x.astype(cfg.layer.jnp_dtype), own)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    write_safetensors(out / "model.safetensors", dflash_tensors(cfg, own))
+    (out / "config.json").write_text(json.dumps(dflash_config_to_official(cfg), indent=2) + "\n")
     return out

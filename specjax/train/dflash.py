@@ -1,0 +1,265 @@
+"""Training DFlash drafters on distilled records: random anchors, one pass, decayed CE.
+
+    result, drafter, own = dflash.train(target_cfg, params, source, TrainConfig(...), cfg)
+
+Every step runs the frozen target teacher-forced over the packed batch (``target.encode``) for
+its taps, fuses them into the context of every position, and trains many blocks per row in
+one pass of the drafter:
+
+* **Anchors** (:func:`sample_anchors`): up to A positions per row, drawn uniformly without
+  replacement among those whose own token and next token are response tokens of the same
+  record, then sorted. Anchor ``a`` opens the block ``[token[a], mask × (Bk - 1)]`` at
+  positions ``pos[a] .. pos[a] + Bk - 1``; block position ``k`` is labelled with
+  ``token[a + k]`` while those labels stay response tokens of the record (the supervised run
+  stops at the first one that is not).
+* **Attention** (:func:`training_rules`): a block's queries see the context keys of their
+  record strictly before the anchor (whose own features inference does not have yet) and the
+  keys of their own block: all of them, or the earlier ones in causal layers. For a 7-token
+  row with anchors 1 and 4 and blocks of 2 (1 = visible)::
+
+      keys:      context 0..6     block keys
+                 0 1 2 3 4 5 6    a1 m  a4 m
+      a1 (q0)    1 0 0 0 0 0 0    1  1  0  0
+      m  (q1)    1 0 0 0 0 0 0    1  1  0  0
+      a4 (q2)    1 1 1 1 0 0 0    0  0  1  1
+      m  (q3)    1 1 1 1 0 0 0    0  0  1  1
+
+* **Loss**: cross-entropy of the labels under the target's frozen head, weighted by block
+  position, ``w_k = exp(-(k - 1) / γ)`` (:func:`position_weights`), normalised by the total
+  weight of the scored labels; or D-PACE's adaptive weights (:func:`dpace_weights`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from specjax.config import ModelConfig
+from specjax.drafters import dflash
+from specjax.drafters.dflash import DFlashConfig, DFlashDrafter
+from specjax.io.layout import without_row_weights
+from specjax.models import attention as attn
+from specjax.models import layers, target
+from specjax.targets import DecoderTarget
+from specjax.train import evaluate, loop
+from specjax.train.draft_model import Shared
+
+
+class DFlashModule(nnx.Module):
+    """A DFlash drafter's weights as NNX parameters, beside its frozen target (a
+    :class:`~specjax.train.draft_model.Shared` constant of the run)."""
+
+    def __init__(self, cfg: DFlashConfig, own: dict, target_cfg: ModelConfig,
+                 target_params: dict):
+        dflash.check_params(cfg, own)
+        self.cfg = cfg
+        self.target_cfg = target_cfg
+        self.own = nnx.data(jax.tree.map(nnx.Param, own))
+        self.frozen = nnx.data(jax.tree.map(Shared, without_row_weights(target_params)))
+
+    def own_params(self) -> dict:
+        """The drafter's own params pytree (the ``"drafter"`` half of its params)."""
+        return jax.tree.map(lambda v: v[...], self.own,
+                            is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+    def target_params(self) -> dict:
+        return jax.tree.map(lambda v: v[...], self.frozen,
+                            is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def sample_anchors(rng: jax.Array, loss_mask: jax.Array, segment_ids: jax.Array,
+                   n_anchors: int) -> tuple[jax.Array, jax.Array]:
+    """Up to ``n_anchors`` random anchors per row (module docstring), sorted.
+
+    Args:
+      rng: a PRNG key.
+      loss_mask: [B, T] bool, response tokens.
+      segment_ids: [B, T] int32 record of every token.
+      n_anchors: A, static.
+    Returns:
+      ``(anchors [B, A] int32, valid [B, A] bool)``; rows with fewer candidates than A pad
+      with invalid anchors at index 0, after the valid ones.
+    """
+    b, t = loss_mask.shape
+    nxt = jnp.concatenate([loss_mask[:, 1:], jnp.zeros((b, 1), bool)], axis=1)
+    same = jnp.concatenate([segment_ids[:, 1:] == segment_ids[:, :-1], jnp.zeros((b, 1), bool)],
+                           axis=1)
+    cand = loss_mask & nxt & same  # [B, T]
+    key = jnp.where(cand, jax.random.uniform(rng, (b, t)), 2.0)
+    picked = jnp.argsort(key, axis=1)[:, :n_anchors].astype(jnp.int32)  # random candidates first
+    ok = jnp.take_along_axis(cand, picked, axis=1)
+    anchors = jnp.sort(jnp.where(ok, picked, t), axis=1)
+    valid = anchors < t
+    return jnp.where(valid, anchors, 0), valid
+
+
+def training_rules(cfg: DFlashConfig, layer: int, anchors: jax.Array, segment_ids: jax.Array,
+                   positions: jax.Array, block_positions: jax.Array, block: int):
+    """The visibility rules of draft layer ``layer`` in training (module docstring).
+
+    Args:
+      anchors: [B, A] anchor indices into the packed row.
+      segment_ids, positions: [B, T] of the packed row (the context keys).
+      block_positions: [B, A * Bk] RoPE positions of the block queries.
+      block: Bk.
+    Returns:
+      ``(context rule over the T context keys, rule among the A * Bk block keys)``.
+    """
+    q_seg = jnp.repeat(jnp.take_along_axis(segment_ids, anchors, axis=1), block, axis=1)
+    rules = [attn.AnchorPrefix(anchors, block), attn.Segments(q_seg, segment_ids)]
+    if cfg.window(layer) is not None:
+        rules.append(attn.Window(block_positions, positions, cfg.window(layer)))
+    return attn.Intersect(tuple(rules)), attn.Blocks(block, cfg.causal(layer))
+
+
+def position_weights(block: int, gamma: float) -> jax.Array:
+    """[Bk - 1] float32 loss weights of block positions k = 1..Bk-1: ``exp(-(k - 1) / γ)``."""
+    return jnp.exp(-jnp.arange(block - 1, dtype=jnp.float32) / gamma)
+
+
+def dpace_weights(ce: jax.Array, valid: jax.Array, alpha: float = 0.5) -> jax.Array:
+    """D-PACE's adaptive position weights, without gradient.
+
+    With ``q_i = exp(-CE_i)`` smoothed to ``q̃_i = (1 - alpha) q_i + alpha``, position j weighs
+    ``sum_{m >= j} prod_{i <= m} q̃_i`` (how many drafts from j on a chain would still get
+    accepted), over the block's supervised positions.
+
+    Args:
+      ce: [..., Bk - 1] cross-entropies of block positions 1..Bk-1.
+      valid: [..., Bk - 1] bool, supervised positions (a prefix of each block).
+    """
+    q = (1.0 - alpha) * jnp.exp(-jax.lax.stop_gradient(ce)) + alpha
+    survive = jnp.cumprod(jnp.where(valid, q, 0.0), axis=-1)
+    w = jnp.flip(jnp.cumsum(jnp.flip(survive, -1), axis=-1), -1)
+    return jnp.where(valid, w, 0.0)
+
+
+def block_loss(model: DFlashModule, batch: dict, rng: jax.Array, *, n_anchors: int = 64,
+               gamma: float | None = None, dpace: bool = False):
+    """The DFlash training loss of a packed batch (module docstring).
+
+    Args:
+      model: the drafter and its frozen target.
+      batch: packed batch (:func:`specjax.train.data.pack`): ``tokens``, ``segment_ids``,
+        ``positions`` [B, T] int32, ``loss_mask`` [B, T] bool.
+      rng: draws the anchors.
+      n_anchors: A, anchors per row.
+      gamma: the position decay (default :func:`specjax.drafters.dflash.default_gamma`).
+      dpace: weigh positions by :func:`dpace_weights` instead.
+    Returns:
+      ``(loss, {"accuracy": top-1 agreement at block position 1, "accept_len": the mean
+      number of leading block positions whose top-1 is the label (a chain's τ - 1),
+      "loss_tokens": labels scored})``.
+    """
+    cfg, own, tp, tcfg = model.cfg, model.own_params(), model.target_params(), model.target_cfg
+    tokens, seg, pos = batch["tokens"], batch["segment_ids"], batch["positions"]
+    mask = batch["loss_mask"].astype(bool)
+    bk = cfg.block_size
+    b, t = tokens.shape
+    _, taps = target.encode(tp, tcfg, tokens, pos, seg, cfg.taps)
+    ctx = dflash.context(cfg, own, jax.lax.stop_gradient(taps))  # [B, T, D]
+    anchors, ok = sample_anchors(rng, mask, seg, n_anchors)  # [B, A]
+    a = anchors.shape[1]
+    offs = jnp.arange(bk, dtype=jnp.int32)
+    block_pos = (jnp.take_along_axis(pos, anchors, axis=1)[:, :, None] + offs).reshape(b, a * bk)
+    tgt = DecoderTarget(tcfg)
+    roots = jnp.take_along_axis(tokens, anchors, axis=1).reshape(-1)  # [B * A]
+    h = dflash.embed_block(cfg, tgt, dflash.drafter_params(own, tp), roots, bk)
+    h = h.reshape(b, a * bk, cfg.d_model)
+    cos, sin = layers.rope_tables(cfg.layer, pos)
+    rules = [training_rules(cfg, i, anchors, seg, pos, block_pos, bk)
+             for i in range(cfg.layer.n_layers)]
+
+    def context_block(i):
+        k, v = dflash.context_kv(cfg, own["layers"][i], ctx, cos, sin)
+        return attn.KeyBlock(k, v, rules[i][0])
+
+    out = dflash.draft_layers(cfg, own, h, block_pos, context_block, lambda i: rules[i][1])
+    out = out.reshape(b, a, bk, cfg.d_model)[:, :, 1:]  # [B, A, Bk - 1, D]
+    # Labels token[a + k], supervised while they stay response tokens of the anchor's record.
+    idx = anchors[:, :, None] + offs[None, None, 1:]  # [B, A, Bk - 1]
+    inside = idx < t
+    idx_c = jnp.minimum(idx, t - 1).reshape(b, -1)
+    take = lambda x: jnp.take_along_axis(x, idx_c, axis=1).reshape(b, a, bk - 1)  # noqa: E731
+    anchor_seg = jnp.take_along_axis(seg, anchors, axis=1)[:, :, None]
+    sup = inside & take(mask) & (take(seg) == anchor_seg) & ok[:, :, None]
+    valid = jnp.cumprod(sup.astype(jnp.int32), axis=-1).astype(bool)
+    labels = take(tokens)
+    logp, top1 = target.score_tokens(tp, tcfg, out.reshape(b, -1, cfg.d_model),
+                                     labels.reshape(b, -1))
+    ce, top1 = -logp.reshape(b, a, bk - 1), top1.reshape(b, a, bk - 1)
+    if dpace:
+        w = dpace_weights(ce, valid)
+    else:
+        w = jnp.where(valid, position_weights(bk, gamma or dflash.default_gamma(bk)), 0.0)
+    loss = jnp.sum(w * ce) / jnp.maximum(jnp.sum(w), 1e-6)
+    n_blocks = jnp.maximum(jnp.sum(valid[..., 0]), 1)
+    hit = top1 & valid
+    accept_len = jnp.sum(jnp.cumprod(hit.astype(jnp.int32), axis=-1)) / n_blocks
+    return loss, {"accuracy": jnp.sum(hit[..., 0]) / n_blocks, "accept_len": accept_len,
+                  "loss_tokens": jnp.sum(valid)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+    """The DFlash-specific settings of a run.
+
+    Attributes:
+      n_anchors: A, anchors per packed row.
+      gamma: the position decay (None: :func:`specjax.drafters.dflash.default_gamma`).
+      dpace: D-PACE weights instead of the decay.
+    """
+
+    n_anchors: int = 64
+    gamma: float | None = None
+    dpace: bool = False
+
+    def __post_init__(self):
+        if self.n_anchors < 1:
+            raise ValueError(f"n_anchors must be >= 1, got {self.n_anchors}")
+        if self.gamma is not None and not self.gamma > 0:
+            raise ValueError(f"gamma must be > 0, got {self.gamma}")
+
+
+def train(target_cfg: ModelConfig, target_params: dict, source: loop.DataSource,
+          train_cfg: loop.TrainConfig, cfg: DFlashConfig, *, recipe: Recipe = Recipe(),
+          policy=dflash.BlockChain(), dev_prompts: Sequence[Sequence[int]] = (),
+          eval_tokens: int = 64, stop_tokens: Sequence[int] = (), seed: int = 0,
+          progress: bool = True) -> tuple[loop.TrainResult, DFlashDrafter, dict]:
+    """Trains a DFlash drafter of shape ``cfg`` for a target on distilled records.
+
+    Args:
+      target_cfg, target_params: the target (frozen; its params are not modified).
+      source: packed batches (:func:`specjax.train.data.pack` layout).
+      train_cfg: the run's settings.
+      cfg: the drafter's shape (:meth:`DFlashConfig.for_target`).
+      recipe: anchors and loss weights.
+      policy: the proposal policy of evaluations and of the returned drafter.
+      dev_prompts: token-id prompts never trained on, decoded by the real speculative loop at
+        every evaluation (``evaluate.tau_eval``).
+      eval_tokens, stop_tokens: of the evaluations.
+      seed: the drafter's initial weights.
+      progress: show a progress bar.
+    Returns:
+      ``(result, drafter, own)``: how the run ended, the drafter, and its own params.
+    """
+    drafter = DFlashDrafter(cfg, DecoderTarget(target_cfg), policy)
+    drafter.check_target(DecoderTarget(target_cfg))
+    model = DFlashModule(cfg, dflash.init_params(cfg, seed), target_cfg, target_params)
+
+    def loss_fn(model, batch, rng):
+        return block_loss(model, batch, rng, n_anchors=recipe.n_anchors, gamma=recipe.gamma,
+                          dpace=recipe.dpace)
+
+    eval_fn = None
+    if train_cfg.eval_every and dev_prompts:
+        eval_fn = evaluate.tau_hook(
+            target_cfg, target_params, dev_prompts, drafter,
+            lambda m: dflash.drafter_params(m.own_params(), target_params),
+            max_new_tokens=eval_tokens, stop_tokens=stop_tokens)
+    result = loop.train(model, loss_fn, source, train_cfg, eval_fn=eval_fn, progress=progress)
+    return result, drafter, model.own_params()

@@ -1,0 +1,133 @@
+"""Training DFlash drafters: the anchor-block attention as drawn, anchors, the loss weights by
+position, and on a tiny target a loss that falls and a tau well above an untrained drafter's."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from specjax.drafters import dflash
+from specjax.drafters.dflash import DFlashConfig
+from specjax.models import attention as attn
+from specjax.train import data, evaluate, loop
+from specjax.train import dflash as dflash_train
+
+from counting import TINY, counting_target, write_records
+
+PARAMS = counting_target()
+SEQ_LEN = 48
+
+
+@pytest.fixture(scope="module")
+def records_dir(tmp_path_factory):
+    return write_records(tmp_path_factory.mktemp("records"), TINY, PARAMS)
+
+
+@pytest.fixture(scope="module")
+def records(records_dir):
+    return data.Records(records_dir)
+
+
+def test_anchor_block_attention_matches_the_docstring():
+    """A 7-token row, anchors 1 and 4, blocks of 2, as drawn in specjax.train.dflash."""
+    drawn = np.array([[1, 0, 0, 0, 0, 0, 0, 1, 1, 0, 0],
+                      [1, 0, 0, 0, 0, 0, 0, 1, 1, 0, 0],
+                      [1, 1, 1, 1, 0, 0, 0, 0, 0, 1, 1],
+                      [1, 1, 1, 1, 0, 0, 0, 0, 0, 1, 1]], bool)
+    cfg = DFlashConfig.for_target(TINY, n_layers=1, block_size=2)
+    seg = jnp.ones((1, 7), jnp.int32)
+    pos = jnp.arange(7)[None]
+    anchors = jnp.asarray([[1, 4]], jnp.int32)
+    block_pos = jnp.asarray([[1, 2, 4, 5]], jnp.int32)
+    ctx_rule, block_rule = dflash_train.training_rules(cfg, 0, anchors, seg, pos, block_pos, 2)
+    got = np.concatenate([np.asarray(attn.dense_mask(ctx_rule, 1, 4, 7))[0],
+                          np.asarray(attn.dense_mask(block_rule, 1, 4, 4))[0]], axis=1)
+    np.testing.assert_array_equal(got, drawn)
+    # A causal layer sees only the earlier keys of its block; a second record's block sees
+    # none of the first record's context.
+    causal = dflash_train.training_rules(dataclasses.replace(cfg, is_causal=True), 0, anchors,
+                                         seg, pos, block_pos, 2)[1]
+    np.testing.assert_array_equal(np.asarray(attn.dense_mask(causal, 1, 4, 4))[0],
+                                  [[1, 0, 0, 0], [1, 1, 0, 0], [0, 0, 1, 0], [0, 0, 1, 1]])
+    seg2 = jnp.asarray([[1, 1, 1, 2, 2, 2, 2]], jnp.int32)
+    ctx2, _ = dflash_train.training_rules(cfg, 0, anchors, seg2, pos, block_pos, 2)
+    np.testing.assert_array_equal(np.asarray(attn.dense_mask(ctx2, 1, 4, 7))[0, 2],
+                                  [0, 0, 0, 1, 0, 0, 0])
+
+
+def test_anchors_are_distinct_sorted_supervised_positions():
+    mask = jnp.asarray([[0, 0, 1, 1, 1, 0, 1, 1, 1, 1], [0, 1, 1, 0, 0, 0, 0, 0, 0, 0]], bool)
+    seg = jnp.asarray([[1, 1, 1, 1, 1, 1, 2, 2, 2, 2], [1] * 10], jnp.int32)
+    anchors, ok = dflash_train.sample_anchors(jax.random.key(0), mask, seg, 4)
+    anchors, ok = np.asarray(anchors), np.asarray(ok)
+    # Row 0's candidates (own and next token supervised, same record): 2, 3, 6, 7, 8.
+    assert ok[0].all() and set(anchors[0]) <= {2, 3, 6, 7, 8}
+    assert list(anchors[0]) == sorted(set(anchors[0]))
+    # Row 1 has one candidate (1): one valid anchor first, then padding.
+    assert ok[1].tolist() == [True, False, False, False] and anchors[1, 0] == 1
+    seen = set()
+    for seed in range(30):
+        a, _ = dflash_train.sample_anchors(jax.random.key(seed), mask, seg, 4)
+        seen.add(tuple(np.asarray(a)[0]))
+    assert len(seen) == 5  # every 4 of the 5 candidates comes up: the draw is uniform-ish
+
+
+def test_loss_weights_by_position():
+    np.testing.assert_allclose(np.asarray(dflash_train.position_weights(16, 7.0)),
+                               np.exp(-np.arange(15) / 7.0), rtol=1e-6)
+    ce = jnp.asarray([[np.log(2.0), np.log(4.0), 0.0, 1.0]])
+    valid = jnp.asarray([[True, True, True, False]])
+    q = 0.5 * np.array([0.5, 0.25, 1.0]) + 0.5  # smoothed exp(-CE)
+    survive = np.cumprod(q)
+    want = [survive.sum(), survive[1:].sum(), survive[2:].sum(), 0.0]
+    np.testing.assert_allclose(np.asarray(dflash_train.dpace_weights(ce, valid))[0], want,
+                               rtol=1e-6)
+
+
+def _train(records, tmp_path, steps, name, **kw):
+    dev, train_records = evaluate.hold_out(records, 4)
+    source = loop.PackedSource(train_records, seq_len=SEQ_LEN, batch_size=4, seed=0)
+    cfg = loop.TrainConfig(run_dir=str(tmp_path / name), steps=steps, lr=3e-3, warmup_frac=0.04,
+                           save_every=steps, eval_every=steps, log_every=10)
+    dcfg = DFlashConfig.for_target(TINY, n_layers=1, block_size=4)
+    result, drafter, own = dflash_train.train(
+        TINY, PARAMS, source, cfg, dcfg, recipe=dflash_train.Recipe(n_anchors=16, **kw),
+        dev_prompts=dev, eval_tokens=16, progress=False)
+    return loop.MetricsLog(cfg.run_dir).records(), drafter, own
+
+
+@pytest.mark.parametrize("dpace", [False, True], ids=["decay", "dpace"])
+def test_dflash_training_lowers_the_loss_and_raises_tau(records, tmp_path, dpace):
+    rows, drafter, own = _train(records, tmp_path, 120, f"dpace{dpace}", dpace=dpace)
+    losses = [r["loss"] for r in rows if "loss" in r]
+    taus = [r["eval_tau"] for r in rows if "eval_tau" in r]
+    assert losses[-1] < 0.5 * losses[0]
+    assert len(taus) == 2 and taus[1] > taus[0] + 0.5, taus
+    assert all(r["eval_greedy_equal"] for r in rows if "eval_tau" in r)
+    dflash.check_params(drafter.cfg, own)
+
+
+def test_cli_trains_dflash_and_exports_it(records_dir, tmp_path, monkeypatch):
+    from specjax import cli
+    from specjax.io import models, official
+
+    monkeypatch.setattr(models, "load", lambda name: models.LoadedModel(TINY, PARAMS, None))
+    run = tmp_path / "run"
+    assert cli.main(["train", "dflash", "--target", "tiny", "--data", str(records_dir),
+                     "--run-dir", str(run), "--steps", "10", "--batch", "4", "--seq-len",
+                     str(SEQ_LEN), "--block-size", "4", "--taps", "2", "--anchors", "8",
+                     "--eval-every", "10", "--save-every", "10", "--dev-prompts", "4",
+                     "--eval-tokens", "8", "--no-progress"]) == 0
+    rows = loop.MetricsLog(run).records()
+    assert [r["step"] for r in rows if "eval_tau" in r] == [0, 10]
+    assert all(r["eval_greedy_equal"] for r in rows if "eval_tau" in r)
+    # The reference recipe's optimizer settings are the defaults.
+    args = cli.build_parser().parse_args(["train", "dflash", "--data", "d", "--run-dir", "r"])
+    assert (args.lr, args.warmup, args.block_size) == (6e-4, 0.04, 16)
+    cfg, own = official.load_dflash(run / "drafter", TINY)
+    assert (cfg.block_size, cfg.layer.n_layers, cfg.mask_token_id) == (4, 1, None)
+    assert "BF16" in (run / "drafter" / "model.safetensors").read_bytes()[:4096].decode("latin1")
