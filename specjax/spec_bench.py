@@ -15,11 +15,16 @@ times move with whatever else the machine runs):
    functions of Python's own standard library (present on every machine), or the first turns
    of a JSONL prompt file (``--prompt-file``, e.g. MT-Bench's ``question.jsonl:turns``). With
    ``--methods eagle3 --drafter DIR`` an EAGLE drafter runs as chains of each draft length and
-   as dynamic trees of each ``--tree-nodes`` size. For plain decoding
-   and each drafter: τ (tokens per verify cycle), decode seconds, speedup over plain decoding
-   at the same precision (the lossless comparison), speedup over the fastest plain decoding at
-   any precision (what a user feels), and efficiency = speedup / τ. Greedy outputs must match
-   plain decoding token for token; mismatches are printed.
+   as dynamic trees of each ``--tree-nodes`` size; with ``--methods dflash,ddtree --dflash
+   DIR`` a DFlash drafter runs as block chains of each ``--blocks`` size and as DDTrees of each
+   ``--ddtree-nodes`` size (and, with ``--draft-sample`` at a temperature above 0, as chains
+   drawn from its marginals). For plain decoding and each drafter: τ (tokens per verify
+   cycle), decode seconds, speedup over plain decoding at the same precision (the lossless
+   comparison), speedup over the fastest plain decoding at any precision (what a user feels),
+   efficiency = speedup / τ, acceptance by position, and the drafter's own time per cycle
+   (its ``propose`` jitted alone). At temperature 0 outputs must match plain decoding token
+   for token; mismatches are printed. ``--temperature`` and ``--batch`` set the sampling and
+   the prompts per call.
 
 Timing protocol: every configuration is compiled and warmed up first; then ``--repeats``
 rounds run every prompt through every configuration in turn, keeping each configuration's
@@ -34,6 +39,7 @@ import argparse
 import inspect
 import shlex
 import sys
+import time
 from collections.abc import Sequence
 
 import jax
@@ -64,15 +70,17 @@ def copy_prompts(n: int) -> list[str]:
 
 
 def file_prompts(spec: str, n: int) -> list[str]:
-    """The first ``n`` prompts of ``PATH[:field]`` (JSONL; a list-valued field gives its first
-    element, e.g. a conversation's first turn; the default field is ``prompt``)."""
+    """The first ``n`` prompts of ``PATH[:field]`` (JSONL, gzipped when the name ends in
+    ``.gz``; a list-valued field gives its first element, e.g. a conversation's first turn;
+    the default field is ``prompt``)."""
+    import gzip
     import json
 
     path, sep, field = spec.rpartition(":")
     if not sep or not field.isidentifier():
         path, field = spec, "prompt"
     out = []
-    with open(path) as f:
+    with (gzip.open(path, "rt") if path.endswith(".gz") else open(path)) as f:
         for line in f:
             if len(out) == n:
                 break
@@ -81,11 +89,70 @@ def file_prompts(spec: str, n: int) -> list[str]:
     return out
 
 
-def _decode_seconds(cfg, params, ids, max_new_tokens, cache_size, drafter, dparams):
-    kw = dict(cache_size=cache_size, drafter=drafter, drafter_params=dparams)
-    full = api.generate_tokens(cfg, params, [ids], max_new_tokens=max_new_tokens, **kw)
-    first = api.generate_tokens(cfg, params, [ids], max_new_tokens=1, **kw)
+def _decode_seconds(cfg, params, batch, max_new_tokens, cache_size, drafter, dparams,
+                    temperature):
+    kw = dict(cache_size=cache_size, drafter=drafter, drafter_params=dparams,
+              temperature=temperature)
+    full = api.generate_tokens(cfg, params, batch, max_new_tokens=max_new_tokens, **kw)
+    first = api.generate_tokens(cfg, params, batch, max_new_tokens=1, **kw)
     return max(full.run_s - first.run_s, 1e-9), full
+
+
+def draft_ms(cfg, params, drafter, dparams, batch: Sequence[Sequence[int]], cache_size: int,
+             temperature: float = 0.0, repeats: int = 20) -> float:
+    """Milliseconds of one ``propose`` call (jitted alone) after a prefill of ``batch``: the
+    drafter's cost per cycle, the fastest of ``repeats``."""
+    from specjax import sampling
+    from specjax.drafters.base import Context, Prefill
+    from specjax.targets import DecoderTarget
+
+    tokens, lengths = api.pad_prompts(batch)
+    prompt, plen = jnp.asarray(tokens), jnp.asarray(lengths)
+    b = prompt.shape[0]
+    tgt = DecoderTarget(cfg)
+    sp = sampling.SamplingParams.make(b, temperature, 0, 1.0)
+
+    @jax.jit
+    def setup(prompt, plen):
+        logits, taps, _ = tgt.prefill(params, prompt, plen, cache_size, drafter.taps)
+        first = sampling.argmax(logits)
+        state = drafter.init(dparams, Prefill(prompt, plen, taps, first, cache_size))
+        seq = jnp.concatenate([prompt, jnp.zeros((b, 1), jnp.int32)], axis=1)
+        return state, seq.at[jnp.arange(b), plen].set(first)
+
+    state, seq = setup(prompt, plen)
+    propose = jax.jit(lambda st, seq, key: drafter.propose(
+        dparams, st, Context(seq, plen + 1, sp), key)[0])
+    key = jax.random.key(0)
+    jax.block_until_ready(propose(state, seq, key))
+    best = np.inf
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(propose(state, seq, key))
+        best = min(best, time.perf_counter() - t0)
+    return best * 1e3
+
+
+def _dflash_configs(cfg, params, dflash_dir, blocks, ddtree_nodes, methods, draft_sample):
+    from specjax.drafters import dflash
+    from specjax.io import official
+    from specjax.targets import DecoderTarget
+
+    if dflash_dir is None:
+        raise ValueError("--methods dflash/ddtree needs --dflash DIR")
+    dcfg, own = official.load_dflash(dflash_dir, cfg)
+    dp = dflash.drafter_params(own, params)
+    tgt = DecoderTarget(cfg)
+    out = {}
+    for bk in blocks if "dflash" in methods else ():
+        out[f"dflash B={bk}"] = (cfg, params, dflash.DFlashDrafter(dcfg, tgt, block=bk), dp)
+        if draft_sample:
+            out[f"dflash B={bk} sampled"] = (
+                cfg, params, dflash.DFlashDrafter(dcfg, tgt, dflash.SampledBlock(), bk), dp)
+    for n in ddtree_nodes if "ddtree" in methods else ():
+        out[f"ddtree N={n}"] = (cfg, params, dflash.DFlashDrafter(dcfg, tgt, dflash.DDTree(n)),
+                                dp)
+    return out
 
 
 def run_spec_benchmark(model, prompts: Sequence[str], *, max_new_tokens: int = 128,
@@ -93,7 +160,10 @@ def run_spec_benchmark(model, prompts: Sequence[str], *, max_new_tokens: int = 1
                        draft_lens: Sequence[int] = (4, 8), draft_layers: int = 4,
                        methods: Sequence[str] = ("ngram", "draft-model"),
                        dtypes: Sequence[str] = ("float32", "bfloat16"), drafter_dir=None,
-                       tree_nodes: Sequence[int] = (8, 16), log=print) -> dict:
+                       tree_nodes: Sequence[int] = (8, 16), dflash_dir=None,
+                       blocks: Sequence[int] = (4, 8, 16), ddtree_nodes: Sequence[int] = (8, 16, 32),
+                       temperature: float = 0.0, batch: int = 1, draft_sample: bool = False,
+                       log=print) -> dict:
     """Runs both measurements (module docstring) and returns them as a dict."""
     cfg, params, tok = model.cfg, model.params, model.tokenizer
     cfg16 = cfg.replace(dtype="bfloat16")
@@ -135,44 +205,61 @@ def run_spec_benchmark(model, prompts: Sequence[str], *, max_new_tokens: int = 1
             tree = eagle.DynamicTree(n, depth=5, top_k=4)
             configs[f"{name} tree N={n}"] = (
                 cfg, params, eagle.EagleDrafter(ecfg, DecoderTarget(cfg), tree), dp)
+    if {"dflash", "ddtree"} & set(methods):
+        configs |= _dflash_configs(cfg, params, dflash_dir, blocks, ddtree_nodes, methods,
+                                   draft_sample and temperature > 0)
     encoded = [tok.encode_chat([{"role": "user", "content": p}]) for p in prompts]
+    if len(encoded) % batch:
+        raise ValueError(f"{len(encoded)} prompts do not fill batches of {batch}")
+    batches = [encoded[i:i + batch] for i in range(0, len(encoded), batch)]
     widest = max([d.n_nodes for _, _, d, _ in configs.values() if d is not None] + [2])
     cache_size = api.round_up(max(map(len, encoded)) + max_new_tokens + widest + 1,
                               api.CACHE_MULTIPLE)
-    best = {name: [np.inf] * len(encoded) for name in configs}
+    best = {name: [np.inf] * len(batches) for name in configs}
     outputs, taus = {}, {name: [] for name in configs}
+    hists = {name: 0 for name in configs}
     log("warming up (compiling every configuration) ...")
     for name, (c, p, d, dp) in configs.items():
-        _decode_seconds(c, p, encoded[0], max_new_tokens, cache_size, d, dp)
+        _decode_seconds(c, p, batches[0], max_new_tokens, cache_size, d, dp, temperature)
     for r in range(repeats):
-        for i, ids in enumerate(encoded):
+        for i, ids in enumerate(batches):
             for name, (c, p, d, dp) in configs.items():
-                secs, res = _decode_seconds(c, p, ids, max_new_tokens, cache_size, d, dp)
+                secs, res = _decode_seconds(c, p, ids, max_new_tokens, cache_size, d, dp,
+                                            temperature)
                 best[name][i] = min(best[name][i], secs)
-                outputs[name, i] = res.tokens[0]
+                outputs[name, i] = res.tokens
                 if r == 0:
                     taus[name].append(res.tau)
+                    if res.stats is not None:
+                        hists[name] = hists[name] + np.asarray(res.stats.accept_hist).sum(0)
         log(f"round {r + 1}/{repeats} done")
     plain = sum(best["plain f32"])
     fastest_plain = min(sum(best[n]) for n in configs if n.startswith("plain"))
     rows = []
-    for name in configs:
+    for name, (c, p, d, dp) in configs.items():
         secs = sum(best[name])
         tau = float(np.mean(taus[name]))
-        mismatches = [i for i in range(len(encoded))
-                      if configs[name][0].dtype == "float32"
+        mismatches = [i for i in range(len(batches))
+                      if temperature == 0 and c.dtype == "float32"
                       and outputs[name, i] != outputs["plain f32", i]]
+        hist = np.asarray(hists[name])
+        accept = ([float(hist[k:].sum() / hist.sum()) for k in range(1, hist.size)]
+                  if hist.size > 1 else [])
         rows.append(dict(name=name, decode_s=secs, tau=tau,
                          tok_s=len(encoded) * (max_new_tokens - 1) / secs,
                          speedup=plain / secs, speedup_vs_fastest=fastest_plain / secs,
                          efficiency=plain / secs / tau, mismatched_prompts=mismatches,
+                         accept_by_position=accept,
+                         draft_ms=(None if d is None else
+                                   draft_ms(c, p, d, dp, batches[0], cache_size, temperature)),
                          per_prompt=[dict(tau=taus[name][i],
                                           speedup=best["plain f32"][i] / best[name][i])
-                                     for i in range(len(encoded))]))
+                                     for i in range(len(batches))]))
     return dict(curves={d: dict(nodes=v.nodes, seconds=v.seconds,
                                 plain_step=v.fastest_plain_step) for d, v in curves.items()},
                 fastest_plain_step_any=fastest_any, drafters=rows,
-                max_new_tokens=max_new_tokens, prompts=len(encoded))
+                max_new_tokens=max_new_tokens, prompts=len(encoded), batch=batch,
+                temperature=temperature)
 
 
 def format_report(result: dict) -> str:
@@ -183,18 +270,26 @@ def format_report(result: dict) -> str:
         cells = [f"N={n}: {s * 1e3:.1f} [{s / c['plain_step']:.2f}x; {s / fastest_any:.2f}x]"
                  for n, s in zip(c["nodes"], c["seconds"])]
         lines.append(f"  {dtype:9s} " + "  ".join(cells))
+    temperature = result.get("temperature", 0.0)
     lines += ["", f"{result['prompts']} prompts x {result['max_new_tokens']} new "
-              "tokens, temperature 0:",
+              f"tokens, temperature {temperature:g}, batch {result.get('batch', 1)}:",
               f"  {'configuration':26s} {'tok/s':>7s} {'tau':>5s} {'speedup':>8s} "
-              f"{'vs fastest':>10s} {'efficiency':>10s}  output"]
+              f"{'vs fastest':>10s} {'efficiency':>10s} {'draft ms':>8s}  output"]
     for r in result["drafters"]:
-        same = "== plain" if not r["mismatched_prompts"] else f"differs {r['mismatched_prompts']}"
+        same = ("== plain" if not r["mismatched_prompts"] else
+                f"differs {r['mismatched_prompts']}") if temperature == 0 else "(sampled)"
         if r["name"] == "plain bf16":
             same = "(bf16: not compared)"
+        ms = "" if r.get("draft_ms") is None else f"{r['draft_ms']:.1f}"
         lines.append(f"  {r['name']:26s} {r['tok_s']:7.1f} {r['tau']:5.2f} {r['speedup']:7.2f}x "
-                     f"{r['speedup_vs_fastest']:9.2f}x {r['efficiency']:10.2f}  {same}")
-    lines += ["", "per prompt, tau and speedup over plain f32 (the totals above add up times, so "
-              "the prompt with the fewest accepted drafts weighs most):"]
+                     f"{r['speedup_vs_fastest']:9.2f}x {r['efficiency']:10.2f} {ms:>8s}  {same}")
+    lines += ["", "acceptance by position (cycles that accepted at least k drafts / cycles):"]
+    for r in result["drafters"]:
+        if r.get("accept_by_position"):
+            lines.append(f"  {r['name']:26s} " + " ".join(
+                f"{a:.2f}" for a in r["accept_by_position"]))
+    lines += ["", "per prompt (or batch), tau and speedup over plain f32 (the totals above add up "
+              "times, so the prompt with the fewest accepted drafts weighs most):"]
     for r in result["drafters"]:
         if not r["name"].startswith("plain"):
             cells = [f"tau {c['tau']:.2f} {c['speedup']:.2f}x" for c in r["per_prompt"]]
@@ -213,13 +308,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--draft-lens", default="4,8")
     parser.add_argument("--draft-layers", type=int, default=4)
     parser.add_argument("--methods", default="ngram,draft-model",
-                        help="drafters to run: ngram, draft-model, eagle3, eagle1 (comma-separated)")
+                        help="drafters to run: ngram, draft-model, eagle3, eagle1, dflash, ddtree "
+                             "(comma-separated)")
     parser.add_argument("--drafter", default=None,
                         help="the EAGLE drafter directory (official layout) for eagle3/eagle1")
     parser.add_argument("--tree-nodes", default="8,16",
                         help="EAGLE dynamic tree sizes, root included")
+    parser.add_argument("--dflash", default=None,
+                        help="the DFlash drafter directory (official layout) for dflash/ddtree")
+    parser.add_argument("--blocks", default="4,8,16",
+                        help="DFlash block sizes drafted per pass, root included")
+    parser.add_argument("--ddtree-nodes", default="8,16,32", help="DDTree sizes, root included")
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--batch", type=int, default=1, help="prompts per generate call")
+    parser.add_argument("--draft-sample", action="store_true",
+                        help="at temperature > 0 also run DFlash chains drawn from the marginals")
+    parser.add_argument("--json", default=None, help="also write the result dict here")
     parser.add_argument("--prompt-file", default=None,
                         help="JSONL prompts as PATH[:field] instead of the copy-heavy task")
+    parser.add_argument("--prompt-template", default="{prompt}",
+                        help="wraps each file prompt: {prompt} is replaced by it, \\n by a newline "
+                             "(default: %(default)s)")
     parser.add_argument("--dtypes", default="float32,bfloat16",
                         help="precisions for the verify curve and plain decoding")
     args = parser.parse_args(argv)
@@ -227,15 +336,24 @@ def main(argv: Sequence[str] | None = None) -> int:
                                                            else argv)))
     from specjax.io import load
 
-    prompts = (file_prompts(args.prompt_file, args.prompts) if args.prompt_file
-               else copy_prompts(args.prompts))
+    template = args.prompt_template.replace("\\n", "\n")
+    prompts = ([template.replace("{prompt}", p) for p in file_prompts(args.prompt_file, args.prompts)]
+               if args.prompt_file else copy_prompts(args.prompts))
     result = run_spec_benchmark(
         load(args.model), prompts, max_new_tokens=args.max_new_tokens,
         nodes=[int(n) for n in args.nodes.split(",")], repeats=args.repeats,
         draft_lens=[int(k) for k in args.draft_lens.split(",")], draft_layers=args.draft_layers,
         methods=args.methods.split(","), dtypes=args.dtypes.split(","),
-        drafter_dir=args.drafter, tree_nodes=[int(n) for n in args.tree_nodes.split(",")])
+        drafter_dir=args.drafter, tree_nodes=[int(n) for n in args.tree_nodes.split(",")],
+        dflash_dir=args.dflash, blocks=[int(b) for b in args.blocks.split(",")],
+        ddtree_nodes=[int(n) for n in args.ddtree_nodes.split(",")],
+        temperature=args.temperature, batch=args.batch, draft_sample=args.draft_sample)
     print(format_report(result))
+    if args.json:
+        import json
+
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1, default=float)
     return 0
 
 
