@@ -115,6 +115,18 @@ def step_tokens(tgt: Target) -> int:
     return tgt.step_tokens if isinstance(tgt, FreshPassTarget) else 1
 
 
+def require_drafting_target(family: str, tgt: Any, vocab_size: int) -> None:
+    """Raises ValueError unless ``tgt`` is a :class:`DraftingTarget` with ``vocab_size`` ids:
+    the first checks of every drafter that reads its target's weights (``family`` names it in
+    the message)."""
+    if not isinstance(tgt, DraftingTarget):
+        raise ValueError(f"{family} needs a DraftingTarget (embed, lm_head, final_norm, widths; "
+                         f"specjax.targets), got {type(tgt).__name__}")
+    if vocab_size != tgt.vocab_size:
+        raise ValueError(f"the drafter was built for a vocabulary of {vocab_size} ids, the "
+                         f"target has {tgt.vocab_size}; drafter and target mismatch")
+
+
 def check_drafter(tgt: Target, drafter: Any) -> None:
     """Raises ValueError when ``drafter`` cannot draft for ``tgt``.
 

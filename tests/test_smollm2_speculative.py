@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import pytest
 
 from specjax import api, cli
-from specjax.drafters import eagle
+from specjax.drafters import dflash, eagle
 from specjax.drafters.draft_model import DraftModelDrafter
 from specjax.drafters.ngram import NgramDrafter
 from specjax.models import cache as cache_lib
@@ -48,13 +48,19 @@ def test_speculative_greedy_equals_plain_on_smollm2(smollm2):
     kw = dict(max_new_tokens=MAX_NEW, stop_tokens=tok.eos_ids)
     plain = api.generate_tokens(smollm2.cfg, smollm2.params, ids, **kw)
     ecfg, own = official.load_eagle(cli.shipped_drafter("smollm2-135m", "eagle3"), smollm2.cfg)
+    dcfg, down = official.load_dflash(cli.shipped_drafter("smollm2-135m", "dflash"), smollm2.cfg)
+    tgt = DecoderTarget(smollm2.cfg)
     drafters = {
         "ngram k=6": (NgramDrafter(draft_len=6), None),
         "draft-model L=6 k=3": DraftModelDrafter.from_target_layers(
             smollm2.cfg, smollm2.params, 6, draft_len=3),
         "shipped eagle3, tree N=16": (
-            eagle.EagleDrafter(ecfg, DecoderTarget(smollm2.cfg), eagle.DynamicTree(16, 5, 4)),
+            eagle.EagleDrafter(ecfg, tgt, eagle.DynamicTree(16, 5, 4)),
             eagle.drafter_params(own, smollm2.params)),
+        "shipped dflash, block chain": (dflash.DFlashDrafter(dcfg, tgt),
+                                        dflash.drafter_params(down, smollm2.params)),
+        "shipped dflash, ddtree N=16": (dflash.DFlashDrafter(dcfg, tgt, dflash.DDTree(16)),
+                                        dflash.drafter_params(down, smollm2.params)),
     }
     divergences = 0
     for name, (drafter, dp) in drafters.items():

@@ -464,15 +464,10 @@ class DFlashDrafter:
     def check_target(self, target) -> None:
         """Raises ValueError when the drafter's width, vocabulary or layers do not fit
         ``target`` (a :class:`~specjax.targets.DraftingTarget`)."""
-        from specjax.targets import DraftingTarget
+        from specjax.targets import require_drafting_target
 
-        if not isinstance(target, DraftingTarget):
-            raise ValueError("DFlash needs a DraftingTarget (embed, lm_head, final_norm, widths;"
-                             f" specjax.targets), got {type(target).__name__}")
         cfg = self.cfg
-        if cfg.vocab_size != target.vocab_size:
-            raise ValueError(f"the drafter was built for a vocabulary of {cfg.vocab_size} ids, "
-                             f"the target has {target.vocab_size}; drafter and target mismatch")
+        require_drafting_target("DFlash", target, cfg.vocab_size)
         if cfg.d_model != target.d_model:
             raise ValueError(f"the drafter's width is {cfg.d_model}, the target's hidden size "
                              f"is {target.d_model}; drafter and target mismatch")

@@ -487,16 +487,10 @@ class EagleDrafter:
     def check_target(self, target) -> None:
         """Raises ValueError when the drafter's widths, vocabulary or taps do not fit
         ``target`` (a :class:`~specjax.targets.DraftingTarget`)."""
-        from specjax.targets import DraftingTarget
+        from specjax.targets import require_drafting_target
 
-        if not isinstance(target, DraftingTarget):
-            raise ValueError("EAGLE needs a DraftingTarget (embed, lm_head, final_norm, widths; "
-                             f"specjax.targets), got {type(target).__name__}")
         cfg = self.cfg
-        if cfg.target_vocab_size != target.vocab_size:
-            raise ValueError(f"the drafter was built for a vocabulary of {cfg.target_vocab_size}"
-                             f" ids, the target has {target.vocab_size}; drafter and target "
-                             "mismatch")
+        require_drafting_target("EAGLE", target, cfg.target_vocab_size)
         if cfg.target_d_model != target.d_model:
             raise ValueError(f"the drafter reads features of width {cfg.target_d_model}, the "
                              f"target's hidden size is {target.d_model}; drafter and target "

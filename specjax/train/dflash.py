@@ -36,39 +36,25 @@ from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
-
 from specjax.config import ModelConfig
 from specjax.drafters import dflash
 from specjax.drafters.dflash import DFlashConfig, DFlashDrafter
-from specjax.io.layout import without_row_weights
 from specjax.models import attention as attn
 from specjax.models import layers, target
 from specjax.targets import DecoderTarget
 from specjax.train import evaluate, loop
-from specjax.train.draft_model import Shared
+from specjax.train.draft_model import BesideTarget
 
 
-class DFlashModule(nnx.Module):
-    """A DFlash drafter's weights as NNX parameters, beside its frozen target (a
-    :class:`~specjax.train.draft_model.Shared` constant of the run)."""
+class DFlashModule(BesideTarget):
+    """A DFlash drafter's weights as NNX parameters, beside its frozen target."""
 
     def __init__(self, cfg: DFlashConfig, own: dict, target_cfg: ModelConfig,
                  target_params: dict):
         dflash.check_params(cfg, own)
+        super().__init__(own, target_params)
         self.cfg = cfg
         self.target_cfg = target_cfg
-        self.own = nnx.data(jax.tree.map(nnx.Param, own))
-        self.frozen = nnx.data(jax.tree.map(Shared, without_row_weights(target_params)))
-
-    def own_params(self) -> dict:
-        """The drafter's own params pytree (the ``"drafter"`` half of its params)."""
-        return jax.tree.map(lambda v: v[...], self.own,
-                            is_leaf=lambda x: isinstance(x, nnx.Variable))
-
-    def target_params(self) -> dict:
-        return jax.tree.map(lambda v: v[...], self.frozen,
-                            is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
 def sample_anchors(rng: jax.Array, loss_mask: jax.Array, segment_ids: jax.Array,

@@ -30,6 +30,30 @@ class Shared(nnx.Variable):
     :class:`DraftModel`)."""
 
 
+class BesideTarget(nnx.Module):
+    """A drafter's own weights as NNX variables beside its frozen target's params.
+
+    The leaves of ``own`` are ``nnx.Param`` and train, except those ``constant(path)`` marks
+    (index tables such as EAGLE-3's ``d2t``), which are :class:`Shared` like every array of
+    the target; the target's one-row weight copies are dropped.
+    """
+
+    def __init__(self, own: dict, target_params: dict, constant=lambda path: False):
+        self.own = nnx.data(jax.tree_util.tree_map_with_path(
+            lambda path, v: Shared(v) if constant(path) else nnx.Param(v), own))
+        self.frozen = nnx.data(jax.tree.map(Shared, without_row_weights(target_params)))
+
+    def own_params(self) -> dict:
+        """The drafter's own params pytree (the ``"drafter"`` half of its params)."""
+        return jax.tree.map(lambda v: v[...], self.own,
+                            is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+    def target_params(self) -> dict:
+        """The target's params (without one-row copies)."""
+        return jax.tree.map(lambda v: v[...], self.frozen,
+                            is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
 class DraftModel(nnx.Module):
     """A draft model's params as an NNX module, for training (:func:`train`).
 

@@ -39,45 +39,32 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from specjax.config import ModelConfig
 from specjax.drafters import eagle
 from specjax.drafters.eagle import EagleConfig, EagleDrafter
-from specjax.io.layout import without_row_weights
 from specjax.models import attention as attn
 from specjax.models import target
 from specjax.targets import DecoderTarget
 from specjax.train import evaluate, loop
-from specjax.train.draft_model import Shared
+from specjax.train.draft_model import BesideTarget
 
 LABEL_CHUNK = 256  # positions per target-head chunk: [B, chunk, V] logits at a time
 
 
-class EagleModule(nnx.Module):
+class EagleModule(BesideTarget):
     """An EAGLE drafter's weights as NNX variables, beside its frozen target.
 
-    The drafter's matrices and norms are ``nnx.Param`` and train; ``d2t`` (an index table) and
-    the target's params are :class:`~specjax.train.draft_model.Shared` constants of the run.
+    The drafter's matrices and norms are ``nnx.Param`` and train; ``d2t`` (an index table) is
+    a :class:`~specjax.train.draft_model.Shared` constant of the run, like the target's params.
     """
 
     def __init__(self, cfg: EagleConfig, own: dict, target_cfg: ModelConfig, target_params: dict):
         eagle.check_params(cfg, own)
+        super().__init__(own, target_params,
+                         constant=lambda path: getattr(path[-1], "key", None) == "d2t")
         self.cfg = cfg
         self.target_cfg = target_cfg
-        wrap = lambda k, v: Shared(v) if k == "d2t" else nnx.Param(v)  # noqa: E731
-        self.own = nnx.data({k: ({kk: wrap(kk, vv) for kk, vv in v.items()} if k == "layer"
-                                 else wrap(k, v)) for k, v in own.items()})
-        self.frozen = nnx.data(jax.tree.map(Shared, without_row_weights(target_params)))
-
-    def own_params(self) -> dict:
-        """The drafter's own params pytree (the ``"drafter"`` half of its params)."""
-        return jax.tree.map(lambda v: v[...], self.own,
-                            is_leaf=lambda x: isinstance(x, nnx.Variable))
-
-    def target_params(self) -> dict:
-        return jax.tree.map(lambda v: v[...], self.frozen,
-                            is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
 def token_counts(records, vocab_size: int) -> np.ndarray:
