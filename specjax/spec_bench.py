@@ -113,22 +113,23 @@ def draft_ms(cfg, params, drafter, dparams, batch: Sequence[Sequence[int]], cach
     sp = sampling.SamplingParams.make(b, temperature, 0, 1.0)
 
     @jax.jit
-    def setup(prompt, plen):
+    def setup(params, dparams, prompt, plen):
         logits, taps, _ = tgt.prefill(params, prompt, plen, cache_size, drafter.taps)
         first = sampling.argmax(logits)
         state = drafter.init(dparams, Prefill(prompt, plen, taps, first, cache_size))
         seq = jnp.concatenate([prompt, jnp.zeros((b, 1), jnp.int32)], axis=1)
         return state, seq.at[jnp.arange(b), plen].set(first)
 
-    state, seq = setup(prompt, plen)
-    propose = jax.jit(lambda st, seq, key: drafter.propose(
+    state, seq = setup(params, dparams, prompt, plen)
+    # Weights are arguments, not constants folded into the program.
+    propose = jax.jit(lambda dparams, st, seq, key: drafter.propose(
         dparams, st, Context(seq, plen + 1, sp), key)[0])
     key = jax.random.key(0)
-    jax.block_until_ready(propose(state, seq, key))
+    jax.block_until_ready(propose(dparams, state, seq, key))
     best = np.inf
     for _ in range(repeats):
         t0 = time.perf_counter()
-        jax.block_until_ready(propose(state, seq, key))
+        jax.block_until_ready(propose(dparams, state, seq, key))
         best = min(best, time.perf_counter() - t0)
     return best * 1e3
 
@@ -153,6 +154,33 @@ def _dflash_configs(cfg, params, dflash_dir, blocks, ddtree_nodes, methods, draf
         out[f"ddtree N={n}"] = (cfg, params, dflash.DFlashDrafter(dcfg, tgt, dflash.DDTree(n)),
                                 dp)
     return out
+
+
+def dflash_layer_costs(model, prompts: Sequence[str], layers: Sequence[int], *, block: int = 16,
+                       batches: Sequence[int] = (1, 4), max_new_tokens: int = 64,
+                       log=print) -> list[dict]:
+    """Draft time per cycle of DFlash drafters of each depth in ``layers`` (random weights of
+    the target's shapes, block ``block``) at each batch size, beside the plain step and a
+    ``block``-node verify pass: the cost side of choosing the number of draft layers."""
+    from specjax.drafters import dflash
+    from specjax.targets import DecoderTarget
+
+    cfg, params, tok = model.cfg, model.params, model.tokenizer
+    ids = [tok.encode_chat([{"role": "user", "content": p}]) for p in prompts]
+    cache = api.round_up(max(map(len, ids)) + max_new_tokens + block + 1, api.CACHE_MULTIPLE)
+    costs = calibrate.measure_verify_costs(cfg, params, (1, block))
+    log(f"plain step {costs.fastest_plain_step * 1e3:.1f} ms, verify N={block} "
+        f"{costs.seconds[-1] * 1e3:.1f} ms")
+    rows = []
+    for n in layers:
+        dcfg = dflash.DFlashConfig.for_target(cfg, n_layers=n, block_size=block)
+        dp = dflash.drafter_params(dflash.init_params(dcfg), params)
+        drafter = dflash.DFlashDrafter(dcfg, DecoderTarget(cfg))
+        for b in batches:
+            ms = draft_ms(cfg, params, drafter, dp, ids[:b], cache)
+            rows.append(dict(layers=n, batch=b, draft_ms=ms))
+            log(f"  {n} draft layers, batch {b}: {ms:.1f} ms per cycle")
+    return rows
 
 
 def run_spec_benchmark(model, prompts: Sequence[str], *, max_new_tokens: int = 128,
@@ -324,6 +352,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--draft-sample", action="store_true",
                         help="at temperature > 0 also run DFlash chains drawn from the marginals")
     parser.add_argument("--json", default=None, help="also write the result dict here")
+    parser.add_argument("--dflash-layer-costs", default=None,
+                        help="instead of the benchmark: draft time per cycle of random-weight "
+                             "DFlash drafters of these depths (comma-separated), batch 1 and 4")
     parser.add_argument("--prompt-file", default=None,
                         help="JSONL prompts as PATH[:field] instead of the copy-heavy task")
     parser.add_argument("--prompt-template", default="{prompt}",
@@ -339,6 +370,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     template = args.prompt_template.replace("\\n", "\n")
     prompts = ([template.replace("{prompt}", p) for p in file_prompts(args.prompt_file, args.prompts)]
                if args.prompt_file else copy_prompts(args.prompts))
+    if args.dflash_layer_costs:
+        dflash_layer_costs(load(args.model), prompts,
+                           [int(n) for n in args.dflash_layer_costs.split(",")])
+        return 0
     result = run_spec_benchmark(
         load(args.model), prompts, max_new_tokens=args.max_new_tokens,
         nodes=[int(n) for n in args.nodes.split(",")], repeats=args.repeats,

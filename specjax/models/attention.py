@@ -37,8 +37,11 @@ slots, written into the cache at slots 2..4, uses one block with
 ``attention_impl`` field of a model config). ``"reference"`` builds each block's dense mask
 from its rule (:meth:`Rule.dense`, the definition of the rule) and calls
 ``specjax.kernels.attention.reference_attention``; a fused kernel registers another name in
-:data:`IMPLEMENTATIONS` and reads the rules' structure instead. Rules are pytrees whose array
-fields are traced and whose sizes (``size``, ``block``, ``causal``) are static.
+:data:`IMPLEMENTATIONS` and reads the rules' structure instead. ``"pallas"`` (NVIDIA GPUs) and
+``"pallas-interpret"`` (the same kernel through Pallas's interpreter, any backend) send verify
+passes, a committed prefix plus a tree, to ``specjax.kernels.tree_attention`` and every other
+call to the reference. Rules are pytrees whose array fields are traced and whose sizes
+(``size``, ``block``, ``causal``) are static.
 
 Axis legend as in :mod:`specjax.models.layers`; S is a block's key count, A anchors per row.
 """
@@ -323,8 +326,72 @@ def _reference(q: jax.Array, blocks: Sequence[KeyBlock]) -> jax.Array:
     return out.reshape(b, kh, g, t, h).transpose(0, 3, 1, 2, 4).reshape(b, t, n, h)
 
 
+def _verify_pattern(q: jax.Array, blocks: Sequence[KeyBlock]):
+    """``(cache k, v, lengths [B], new k, v, ancestor [B, T, T])`` when ``blocks`` are a verify
+    pass's (the committed prefix of a cache plus T new nodes under a tree), else None.
+
+    Two layouts: a cache read under ``Prefix`` and the new nodes' own block under ``Tree``
+    (offset 0), or one cache block the nodes were written into at ``lengths`` under
+    ``Union((Prefix(lengths), Tree(ancestor, offset=lengths)))`` (the nodes are gathered back
+    out of it).
+    """
+    b, t = q.shape[:2]
+    if len(blocks) == 2:
+        cache, new = blocks
+        if (isinstance(cache.rule, Prefix) and isinstance(new.rule, Tree)
+                and isinstance(new.rule.offset, int) and new.rule.offset == 0):
+            return (cache.k, cache.v, cache.rule.lengths, new.k, new.v,
+                    jnp.broadcast_to(new.rule.ancestor, (b, t, t)))
+        return None
+    (blk,) = blocks
+    rule = blk.rule
+    if not (isinstance(rule, Union) and len(rule.rules) == 2):
+        return None
+    prefix, tree = rule.rules
+    if not (isinstance(prefix, Prefix) and isinstance(tree, Tree)
+            and tree.offset is prefix.lengths):
+        return None
+    rows = blk.k.shape[0] // b
+    start = jnp.repeat(prefix.lengths, rows)  # [B * K]
+
+    def gather(x):  # the T nodes' slots of every row: [B * K, T, H]
+        return jax.vmap(lambda r, s: jax.lax.dynamic_slice_in_dim(r, s, t, axis=0))(x, start)
+
+    return (blk.k, blk.v, prefix.lengths, gather(blk.k), gather(blk.v),
+            jnp.broadcast_to(tree.ancestor, (b, t, t)))
+
+
+def _tree_kernel(q: jax.Array, blocks: Sequence[KeyBlock], interpret: bool) -> jax.Array:
+    """The fused tree-attention kernel (``specjax.kernels.tree_attention``) for verify passes
+    whose shapes it takes; every other call runs :func:`_reference`."""
+    from specjax.kernels import tree_attention as ta
+
+    found = _verify_pattern(q, blocks)
+    b, t, n, h = q.shape
+    if found is None:
+        return _reference(q, blocks)
+    k, v, lengths, k_new, v_new, anc = found
+    kh = k.shape[0] // b
+    g, s = n // kh, k.shape[1]
+    block_k = 64
+    if h < 16 or h & (h - 1) or s % block_k:
+        return _reference(q, blocks)
+    # Split long caches into pieces of at least 1024 slots (flash-decoding).
+    n_split = max(1, s // 1024)
+    while s % (n_split * block_k):
+        n_split -= 1
+    rows = q.reshape(b, t, kh, g, h).transpose(0, 2, 3, 1, 4).reshape(b * kh, g * t, h)
+    out = ta.tree_attention(rows, k, v, jnp.repeat(lengths, kh), k_new, v_new, anc,
+                            block_k=block_k, n_split=n_split, interpret=interpret)
+    return out.reshape(b, kh, g, t, h).transpose(0, 3, 1, 2, 4).reshape(b, t, n, h)
+
+
 IMPLEMENTATIONS: dict[str, Callable[[jax.Array, Sequence[KeyBlock]], jax.Array]] = {
     "reference": _reference,
+    # Verify passes through the fused Pallas tree-attention kernel (NVIDIA GPUs); the
+    # "-interpret" variant runs the same kernel through Pallas's interpreter on any backend.
+    "pallas": lambda q, blocks: _tree_kernel(q, blocks, interpret=False),
+    "pallas-interpret": lambda q, blocks: _tree_kernel(q, blocks, interpret=True),
 }
 
 
