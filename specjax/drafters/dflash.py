@@ -359,7 +359,9 @@ def ddtree(logp: jax.Array, n_nodes: int) -> tuple[jax.Array, jax.Array, jax.Arr
     """
     b, dp, v = logp.shape
     kt = min(n_nodes - 1, v)
-    top_lp, top_ids = jax.lax.top_k(logp, kt)  # [B, Dp, Kt], best first
+    # The barrier keeps XLA from fusing the top-k into the loop's gathers, which recomputed
+    # it over the whole vocabulary at every step (~0.27 s per tree for 15 x 49152 on XLA:CPU).
+    top_lp, top_ids = jax.lax.optimization_barrier(jax.lax.top_k(logp, kt))  # [B, Dp, Kt]
     n_front = n_nodes + 1
 
     def one(lp, ids):
