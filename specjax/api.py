@@ -30,19 +30,25 @@ def round_up(n: int, multiple: int) -> int:
 
 
 def pad_prompts(prompts: Sequence[Sequence[int]], bucket: int = PROMPT_BUCKET,
-                pad_id: int = 0) -> tuple[np.ndarray, np.ndarray]:
+                pad_id: int = 0, width: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Right-pads token lists into one array.
 
     Returns:
-      tokens: [B, P] int32 with P the longest prompt rounded up to ``bucket``.
+      tokens: [B, P] int32 with P = ``width``, or the longest prompt rounded up to ``bucket``.
       lengths: [B] int32 true lengths.
+    Raises:
+      ValueError: no prompts, an empty prompt, or a prompt longer than ``width``.
     """
     if not prompts:
         raise ValueError("no prompts given")
     lengths = np.array([len(p) for p in prompts], np.int32)
     if lengths.min() < 1:
         raise ValueError(f"prompt {int(lengths.argmin())} is empty; every prompt needs a token")
-    tokens = np.full((len(prompts), round_up(int(lengths.max()), bucket)), pad_id, np.int32)
+    if width is not None and width < lengths.max():
+        raise ValueError(f"prompt {int(lengths.argmax())} has {int(lengths.max())} tokens, more "
+                         f"than the padded width {width}")
+    width = round_up(int(lengths.max()), bucket) if width is None else width
+    tokens = np.full((len(prompts), width), pad_id, np.int32)
     for i, p in enumerate(prompts):
         tokens[i, : len(p)] = p
     return tokens, lengths
@@ -117,6 +123,7 @@ def generate_tokens(
     cache_size: int | None = None,
     drafter=None,
     drafter_params=None,
+    prompt_width: int | None = None,
 ) -> GenerateResult:
     """Plain or speculative generation for a batch of token-id prompts.
 
@@ -132,6 +139,9 @@ def generate_tokens(
       drafter: a static drafter (:mod:`specjax.drafters`) for speculative decoding; None for
         plain decoding. Greedy rows give the same tokens either way.
       drafter_params: the drafter's params pytree.
+      prompt_width: pad the prompts to this width instead of the longest rounded up to
+        ``PROMPT_BUCKET``, so that requests of different lengths share one executable (a
+        benchmark compiles each configuration once); at least the longest prompt.
     Raises:
       ValueError: a bad sampling value, an out-of-vocabulary prompt token, or a request longer
         than the cache (or the model's context).
@@ -139,7 +149,7 @@ def generate_tokens(
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     check_tokens(prompts, cfg.vocab_size)
-    tokens, lengths = pad_prompts(prompts)
+    tokens, lengths = pad_prompts(prompts, width=prompt_width)
     need = int(lengths.max()) + max_new_tokens
     if need > cfg.max_position_embeddings:
         raise ValueError(f"prompt of {int(lengths.max())} tokens + max_new_tokens="

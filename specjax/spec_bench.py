@@ -13,9 +13,10 @@ times move with whatever else the machine runs):
    against the fastest plain step at any precision.
 2. **Drafters on a copy-heavy task** at temperature 0: "rewrite this function" prompts built from
    functions of Python's own standard library (present on every machine), or the first turns
-   of a JSONL prompt file (``--prompt-file``, e.g. MT-Bench's ``question.jsonl:turns``). With
-   ``--methods eagle3 --drafter DIR`` an EAGLE drafter runs as chains of each draft length and
-   as dynamic trees of each ``--tree-nodes`` size; with ``--methods dflash,ddtree --dflash
+   of JSONL prompt files (``--prompt-file``, e.g. MT-Bench's ``question.jsonl:turns``;
+   repeated, several named sets, which share every compiled configuration and get a table
+   each). With ``--methods eagle3 --drafter DIR`` an EAGLE drafter runs as chains of each
+   draft length and as dynamic trees of each ``--tree-nodes`` size; with ``--methods dflash,ddtree --dflash
    DIR`` a DFlash drafter runs as block chains of each ``--blocks`` size and as DDTrees of each
    ``--ddtree-nodes`` size (and, with ``--draft-sample`` at a temperature above 0, as chains
    drawn from its marginals). For plain decoding and each drafter: τ (tokens per verify
@@ -29,7 +30,8 @@ times move with whatever else the machine runs):
 Timing protocol: every configuration is compiled and warmed up first; then ``--repeats``
 rounds run every prompt through every configuration in turn, keeping each configuration's
 fastest round. Decode time = end-to-end time minus the time of the same request with
-``max_new_tokens=1`` (prefill and the drafter's own prefill), both at the same cache size.
+``max_new_tokens=1`` (prefill and the drafter's own prefill), both at the same cache size;
+every prompt is padded to one width, so each configuration compiles once.
 No stop tokens: every run produces exactly ``--max-new-tokens`` tokens.
 """
 
@@ -40,7 +42,7 @@ import inspect
 import shlex
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -89,24 +91,48 @@ def file_prompts(spec: str, n: int) -> list[str]:
     return out
 
 
+def prompt_sets(files: Sequence[str], templates: Sequence[str], n: int) -> dict[str, list[str]]:
+    """Named prompt sets from ``[NAME=]PATH[:field]`` specs (NAME defaults to the file's
+    directory name), each prompt wrapped by its template (one for all files or one per file;
+    ``{prompt}`` is replaced by the prompt, a literal ``\\n`` by a newline); the copy-heavy
+    task when ``files`` is empty."""
+    import os
+
+    if not files:
+        return {"prompts": copy_prompts(n)}
+    if len(templates) not in (0, 1, len(files)):
+        raise ValueError(f"{len(templates)} --prompt-template values for {len(files)} "
+                         "--prompt-file values: give one for all or one per file")
+    templates = list(templates or ["{prompt}"])
+    templates = templates * len(files) if len(templates) == 1 else templates
+    out = {}
+    for spec, template in zip(files, templates):
+        name, sep, path = spec.partition("=")
+        if not sep:
+            name, path = os.path.basename(os.path.dirname(os.path.abspath(spec))), spec
+        template = template.replace("\\n", "\n")
+        out[name] = [template.replace("{prompt}", p) for p in file_prompts(path, n)]
+    return out
+
+
 def _decode_seconds(cfg, params, batch, max_new_tokens, cache_size, drafter, dparams,
-                    temperature):
+                    temperature, width):
     kw = dict(cache_size=cache_size, drafter=drafter, drafter_params=dparams,
-              temperature=temperature)
+              temperature=temperature, prompt_width=width)
     full = api.generate_tokens(cfg, params, batch, max_new_tokens=max_new_tokens, **kw)
     first = api.generate_tokens(cfg, params, batch, max_new_tokens=1, **kw)
     return max(full.run_s - first.run_s, 1e-9), full
 
 
 def draft_ms(cfg, params, drafter, dparams, batch: Sequence[Sequence[int]], cache_size: int,
-             temperature: float = 0.0, repeats: int = 20) -> float:
+             temperature: float = 0.0, repeats: int = 20, width: int | None = None) -> float:
     """Milliseconds of one ``propose`` call (jitted alone) after a prefill of ``batch``: the
     drafter's cost per cycle, the fastest of ``repeats``."""
     from specjax import sampling
     from specjax.drafters.base import Context, Prefill
     from specjax.targets import DecoderTarget
 
-    tokens, lengths = api.pad_prompts(batch)
+    tokens, lengths = api.pad_prompts(batch, width=width)
     prompt, plen = jnp.asarray(tokens), jnp.asarray(lengths)
     b = prompt.shape[0]
     tgt = DecoderTarget(cfg)
@@ -183,7 +209,8 @@ def dflash_layer_costs(model, prompts: Sequence[str], layers: Sequence[int], *, 
     return rows
 
 
-def run_spec_benchmark(model, prompts: Sequence[str], *, max_new_tokens: int = 128,
+def run_spec_benchmark(model, prompts: Sequence[str] | Mapping[str, Sequence[str]], *,
+                       max_new_tokens: int = 128,
                        nodes: Sequence[int] = (1, 2, 4, 8, 16, 32, 64), repeats: int = 2,
                        draft_lens: Sequence[int] = (4, 8), draft_layers: int = 4,
                        methods: Sequence[str] = ("ngram", "draft-model"),
@@ -192,7 +219,12 @@ def run_spec_benchmark(model, prompts: Sequence[str], *, max_new_tokens: int = 1
                        blocks: Sequence[int] = (4, 8, 16), ddtree_nodes: Sequence[int] = (8, 16, 32),
                        temperature: float = 0.0, batch: int = 1, draft_sample: bool = False,
                        log=print) -> dict:
-    """Runs both measurements (module docstring) and returns them as a dict."""
+    """Runs both measurements (module docstring) and returns them as a dict.
+
+    ``prompts`` is one list or named sets of them (``{"gsm8k": [...], "humaneval": [...]}``):
+    every set runs through the same compiled configurations (one padded prompt width and cache
+    for all) and gets its own table, its speedups measured against plain decoding on the same
+    set. Draft time per cycle is measured once per configuration, on the first batch."""
     cfg, params, tok = model.cfg, model.params, model.tokenizer
     cfg16 = cfg.replace(dtype="bfloat16")
     # As load(dtype="bfloat16") gives it: no one-row copies, a bf16 step runs two rows.
@@ -236,58 +268,99 @@ def run_spec_benchmark(model, prompts: Sequence[str], *, max_new_tokens: int = 1
     if {"dflash", "ddtree"} & set(methods):
         configs |= _dflash_configs(cfg, params, dflash_dir, blocks, ddtree_nodes, methods,
                                    draft_sample and temperature > 0)
-    encoded = [tok.encode_chat([{"role": "user", "content": p}]) for p in prompts]
-    if len(encoded) % batch:
-        raise ValueError(f"{len(encoded)} prompts do not fill batches of {batch}")
-    batches = [encoded[i:i + batch] for i in range(0, len(encoded), batch)]
+    if not isinstance(prompts, Mapping):
+        prompts = {"prompts": prompts}
+    encoded = {name: [tok.encode_chat([{"role": "user", "content": p}]) for p in ps]
+               for name, ps in prompts.items()}
+    for name, ids in encoded.items():
+        if not ids or len(ids) % batch:
+            raise ValueError(f"{len(ids)} prompts of {name!r} do not fill batches of {batch}")
+    # Every set shares one padded width and cache: each configuration compiles once.
+    batches = [(name, ids[i:i + batch]) for name, ids in encoded.items()
+               for i in range(0, len(ids), batch)]
+    longest = max(len(p) for ids in encoded.values() for p in ids)
+    width = api.round_up(longest, api.PROMPT_BUCKET)
     widest = max([d.n_nodes for _, _, d, _ in configs.values() if d is not None] + [2])
-    cache_size = api.round_up(max(map(len, encoded)) + max_new_tokens + widest + 1,
+    cache_size = api.round_up(max(longest + max_new_tokens + widest + 1, width),
                               api.CACHE_MULTIPLE)
     best = {name: [np.inf] * len(batches) for name in configs}
-    outputs, taus = {}, {name: [] for name in configs}
-    hists = {name: 0 for name in configs}
-    log("warming up (compiling every configuration) ...")
+    outputs, taus = {}, {name: [None] * len(batches) for name in configs}
+    hists = {name: [0] * len(batches) for name in configs}
+    log(f"warming up (compiling {len(configs)} configurations) ...")
     for name, (c, p, d, dp) in configs.items():
-        _decode_seconds(c, p, batches[0], max_new_tokens, cache_size, d, dp, temperature)
+        _decode_seconds(c, p, batches[0][1], max_new_tokens, cache_size, d, dp, temperature,
+                        width)
     for r in range(repeats):
-        for i, ids in enumerate(batches):
+        for i, (_, ids) in enumerate(batches):
             for name, (c, p, d, dp) in configs.items():
                 secs, res = _decode_seconds(c, p, ids, max_new_tokens, cache_size, d, dp,
-                                            temperature)
+                                            temperature, width)
                 best[name][i] = min(best[name][i], secs)
                 outputs[name, i] = res.tokens
                 if r == 0:
-                    taus[name].append(res.tau)
+                    taus[name][i] = res.tau
                     if res.stats is not None:
-                        hists[name] = hists[name] + np.asarray(res.stats.accept_hist).sum(0)
+                        hists[name][i] = np.asarray(res.stats.accept_hist).sum(0)
         log(f"round {r + 1}/{repeats} done")
-    plain = sum(best["plain f32"])
-    fastest_plain = min(sum(best[n]) for n in configs if n.startswith("plain"))
-    rows = []
-    for name, (c, p, d, dp) in configs.items():
-        secs = sum(best[name])
-        tau = float(np.mean(taus[name]))
-        mismatches = [i for i in range(len(batches))
-                      if temperature == 0 and c.dtype == "float32"
-                      and outputs[name, i] != outputs["plain f32", i]]
-        hist = np.asarray(hists[name])
-        accept = ([float(hist[k:].sum() / hist.sum()) for k in range(1, hist.size)]
-                  if hist.size > 1 else [])
-        rows.append(dict(name=name, decode_s=secs, tau=tau,
-                         tok_s=len(encoded) * (max_new_tokens - 1) / secs,
-                         speedup=plain / secs, speedup_vs_fastest=fastest_plain / secs,
-                         efficiency=plain / secs / tau, mismatched_prompts=mismatches,
-                         accept_by_position=accept,
-                         draft_ms=(None if d is None else
-                                   draft_ms(c, p, d, dp, batches[0], cache_size, temperature)),
-                         per_prompt=[dict(tau=taus[name][i],
-                                          speedup=best["plain f32"][i] / best[name][i])
-                                     for i in range(len(batches))]))
+    draft = {name: None if d is None else
+             draft_ms(c, p, d, dp, batches[0][1], cache_size, temperature, width=width)
+             for name, (c, p, d, dp) in configs.items()}
+    sets = []
+    for set_name, ids in encoded.items():
+        idx = [i for i, (n, _) in enumerate(batches) if n == set_name]
+        plain = sum(best["plain f32"][i] for i in idx)
+        fastest_plain = min(sum(best[n][i] for i in idx) for n in configs if n.startswith("plain"))
+        rows = []
+        for name, (c, p, d, dp) in configs.items():
+            secs = sum(best[name][i] for i in idx)
+            tau = float(np.mean([taus[name][i] for i in idx]))
+            mismatches = [j for j, i in enumerate(idx)
+                          if temperature == 0 and c.dtype == "float32"
+                          and outputs[name, i] != outputs["plain f32", i]]
+            hist = np.asarray(sum(hists[name][i] for i in idx))
+            accept = ([float(hist[k:].sum() / hist.sum()) for k in range(1, hist.size)]
+                      if hist.size > 1 else [])
+            rows.append(dict(name=name, decode_s=secs, tau=tau,
+                             tok_s=len(ids) * (max_new_tokens - 1) / secs,
+                             speedup=plain / secs, speedup_vs_fastest=fastest_plain / secs,
+                             efficiency=plain / secs / tau, mismatched_prompts=mismatches,
+                             accept_by_position=accept, draft_ms=draft[name],
+                             per_prompt=[dict(tau=taus[name][i],
+                                              speedup=best["plain f32"][i] / best[name][i])
+                                         for i in idx]))
+        sets.append(dict(name=set_name, prompts=len(ids), drafters=rows))
     return dict(curves={d: dict(nodes=v.nodes, seconds=v.seconds,
                                 plain_step=v.fastest_plain_step) for d, v in curves.items()},
-                fastest_plain_step_any=fastest_any, drafters=rows,
-                max_new_tokens=max_new_tokens, prompts=len(encoded), batch=batch,
-                temperature=temperature)
+                fastest_plain_step_any=fastest_any, sets=sets,
+                max_new_tokens=max_new_tokens, batch=batch, temperature=temperature)
+
+
+def _set_report(block: dict, result: dict, temperature: float) -> list[str]:
+    title = "" if block["name"] == "prompts" else f"{block['name']}: "
+    lines = ["", f"{title}{block['prompts']} prompts x {result['max_new_tokens']} new "
+             f"tokens, temperature {temperature:g}, batch {result.get('batch', 1)}:",
+             f"  {'configuration':26s} {'tok/s':>7s} {'tau':>5s} {'speedup':>8s} "
+             f"{'vs fastest':>10s} {'efficiency':>10s} {'draft ms':>8s}  output"]
+    for r in block["drafters"]:
+        same = ("== plain" if not r["mismatched_prompts"] else
+                f"differs {r['mismatched_prompts']}") if temperature == 0 else "(sampled)"
+        if r["name"] == "plain bf16":
+            same = "(bf16: not compared)"
+        ms = "" if r.get("draft_ms") is None else f"{r['draft_ms']:.1f}"
+        lines.append(f"  {r['name']:26s} {r['tok_s']:7.1f} {r['tau']:5.2f} {r['speedup']:7.2f}x "
+                     f"{r['speedup_vs_fastest']:9.2f}x {r['efficiency']:10.2f} {ms:>8s}  {same}")
+    lines += ["", "acceptance by position (cycles that accepted at least k drafts / cycles):"]
+    for r in block["drafters"]:
+        if r.get("accept_by_position"):
+            lines.append(f"  {r['name']:26s} " + " ".join(
+                f"{a:.2f}" for a in r["accept_by_position"]))
+    lines += ["", "per prompt (or batch), tau and speedup over plain f32 (the totals above add up "
+              "times, so the prompt with the fewest accepted drafts weighs most):"]
+    for r in block["drafters"]:
+        if not r["name"].startswith("plain"):
+            cells = [f"tau {c['tau']:.2f} {c['speedup']:.2f}x" for c in r["per_prompt"]]
+            lines.append(f"  {r['name']:26s} " + "  |  ".join(cells))
+    return lines
 
 
 def format_report(result: dict) -> str:
@@ -299,29 +372,8 @@ def format_report(result: dict) -> str:
                  for n, s in zip(c["nodes"], c["seconds"])]
         lines.append(f"  {dtype:9s} " + "  ".join(cells))
     temperature = result.get("temperature", 0.0)
-    lines += ["", f"{result['prompts']} prompts x {result['max_new_tokens']} new "
-              f"tokens, temperature {temperature:g}, batch {result.get('batch', 1)}:",
-              f"  {'configuration':26s} {'tok/s':>7s} {'tau':>5s} {'speedup':>8s} "
-              f"{'vs fastest':>10s} {'efficiency':>10s} {'draft ms':>8s}  output"]
-    for r in result["drafters"]:
-        same = ("== plain" if not r["mismatched_prompts"] else
-                f"differs {r['mismatched_prompts']}") if temperature == 0 else "(sampled)"
-        if r["name"] == "plain bf16":
-            same = "(bf16: not compared)"
-        ms = "" if r.get("draft_ms") is None else f"{r['draft_ms']:.1f}"
-        lines.append(f"  {r['name']:26s} {r['tok_s']:7.1f} {r['tau']:5.2f} {r['speedup']:7.2f}x "
-                     f"{r['speedup_vs_fastest']:9.2f}x {r['efficiency']:10.2f} {ms:>8s}  {same}")
-    lines += ["", "acceptance by position (cycles that accepted at least k drafts / cycles):"]
-    for r in result["drafters"]:
-        if r.get("accept_by_position"):
-            lines.append(f"  {r['name']:26s} " + " ".join(
-                f"{a:.2f}" for a in r["accept_by_position"]))
-    lines += ["", "per prompt (or batch), tau and speedup over plain f32 (the totals above add up "
-              "times, so the prompt with the fewest accepted drafts weighs most):"]
-    for r in result["drafters"]:
-        if not r["name"].startswith("plain"):
-            cells = [f"tau {c['tau']:.2f} {c['speedup']:.2f}x" for c in r["per_prompt"]]
-            lines.append(f"  {r['name']:26s} " + "  |  ".join(cells))
+    for block in result["sets"]:
+        lines += _set_report(block, result, temperature)
     return "\n".join(lines)
 
 
@@ -355,11 +407,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--dflash-layer-costs", default=None,
                         help="instead of the benchmark: draft time per cycle of random-weight "
                              "DFlash drafters of these depths (comma-separated), batch 1 and 4")
-    parser.add_argument("--prompt-file", default=None,
-                        help="JSONL prompts as PATH[:field] instead of the copy-heavy task")
-    parser.add_argument("--prompt-template", default="{prompt}",
-                        help="wraps each file prompt: {prompt} is replaced by it, \\n by a newline "
-                             "(default: %(default)s)")
+    parser.add_argument("--prompt-file", action="append", default=[],
+                        help="JSONL prompts as [NAME=]PATH[:field] instead of the copy-heavy task; "
+                             "repeat for several sets, each with its own table")
+    parser.add_argument("--prompt-template", action="append", default=[],
+                        help="wraps each file prompt: {prompt} is replaced by it, \\n by a newline; "
+                             "one for all files or one per --prompt-file, in order (default: "
+                             "{prompt})")
     parser.add_argument("--dtypes", default="float32,bfloat16",
                         help="precisions for the verify curve and plain decoding")
     args = parser.parse_args(argv)
@@ -367,11 +421,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                                                            else argv)))
     from specjax.io import load
 
-    template = args.prompt_template.replace("\\n", "\n")
-    prompts = ([template.replace("{prompt}", p) for p in file_prompts(args.prompt_file, args.prompts)]
-               if args.prompt_file else copy_prompts(args.prompts))
+    prompts = prompt_sets(args.prompt_file, args.prompt_template, args.prompts)
     if args.dflash_layer_costs:
-        dflash_layer_costs(load(args.model), prompts,
+        dflash_layer_costs(load(args.model), [p for ps in prompts.values() for p in ps],
                            [int(n) for n in args.dflash_layer_costs.split(",")])
         return 0
     result = run_spec_benchmark(

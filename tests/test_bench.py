@@ -3,7 +3,9 @@ measurements themselves are benchmarks, never tests)."""
 
 from __future__ import annotations
 
-from specjax import bench, spec_bench
+import pytest
+
+from specjax import api, bench, spec_bench
 
 
 def test_spec_report_lists_every_prompt_of_every_drafter():
@@ -15,9 +17,11 @@ def test_spec_report_lists_every_prompt_of_every_drafter():
                  per_prompt=[dict(tau=6.14, speedup=3.02), dict(tau=1.67, speedup=1.18)])]
     result = dict(curves={"float32": dict(nodes=(1, 16), seconds=(0.0116, 0.0295),
                                           plain_step=0.0116)},
-                  fastest_plain_step_any=0.0116, drafters=rows, max_new_tokens=128, prompts=2)
+                  fastest_plain_step_any=0.0116, max_new_tokens=128,
+                  sets=[dict(name="code", prompts=2, drafters=rows)])
     report = spec_bench.format_report(result)
     assert "N=16: 29.5 [2.54x; 2.54x]" in report
+    assert "code: 2 prompts x 128 new tokens" in report
     assert "differs [1]" in report
     per_prompt = [line for line in report.splitlines() if line.strip().startswith("ngram k=8")]
     assert per_prompt[-1].split() == ["ngram", "k=8", "tau", "6.14", "3.02x", "|", "tau", "1.67",
@@ -64,3 +68,25 @@ def test_prompt_file_takes_first_turns_or_a_named_field(tmp_path):
                     '{"turns": ["first b"], "prompt": "p2"}\n{"turns": ["first c"], "prompt": "p3"}\n')
     assert spec_bench.file_prompts(f"{path}:turns", 2) == ["first a", "first b"]
     assert spec_bench.file_prompts(str(path), 5) == ["p1", "p2", "p3"]
+
+
+def test_prompt_sets_are_named_and_templated(tmp_path):
+    (tmp_path / "math").mkdir()
+    a, b = tmp_path / "math" / "test.jsonl", tmp_path / "q.jsonl"
+    a.write_text('{"question": "1+1?"}\n{"question": "2+2?"}\n')
+    b.write_text('{"turns": ["hi"]}\n')
+    sets = spec_bench.prompt_sets([f"{a}:question", f"chat={b}:turns"],
+                                  ["{prompt}\\nThink.", "> {prompt}"], 2)
+    assert sets == {"math": ["1+1?\nThink.", "2+2?\nThink."], "chat": ["> hi"]}
+    assert spec_bench.prompt_sets([f"{a}:question"], [], 1) == {"math": ["1+1?"]}
+    with pytest.raises(ValueError, match="one for all or one per file"):
+        spec_bench.prompt_sets([str(a), str(b), str(b)], ["x", "y"], 1)
+
+
+def test_pad_prompts_to_a_given_width():
+    tokens, lengths = api.pad_prompts([[5, 6, 7], [8]], width=40)
+    assert tokens.shape == (2, 40) and lengths.tolist() == [3, 1]
+    assert tokens[0, :4].tolist() == [5, 6, 7, 0] and tokens[1, :2].tolist() == [8, 0]
+    assert api.pad_prompts([[5, 6, 7]])[0].shape == (1, api.PROMPT_BUCKET)
+    with pytest.raises(ValueError, match="prompt 0 has 3 tokens, more than the padded width 2"):
+        api.pad_prompts([[5, 6, 7], [8]], width=2)

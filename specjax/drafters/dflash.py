@@ -46,6 +46,7 @@ n taps, Kt top-k per depth.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import jax
@@ -255,6 +256,12 @@ def inject(cfg: DFlashConfig, own: dict, cache: cache_lib.KVCache, taps: jax.Arr
            n_new: jax.Array) -> cache_lib.KVCache:
     """KV injection: writes the context K/V of T new positions into every layer's cache.
 
+    One call for all layers: ``specjax.kernels.kv_injection``'s reference, or its fused Pallas
+    kernel when the drafter's layers run ``attention_impl="pallas"`` (``"pallas-interpret"``:
+    the same kernel through Pallas's interpreter) and their shapes fit it (a head dim of a
+    power of two >= 32, a width with a power-of-two factor >= 16, a cache of >= 16 slots). The
+    context keys/values are what :func:`context_kv` computes.
+
     Args:
       cache: the drafter's cache; row b's new positions are ``lengths[b] .. + T``.
       taps: [B, T, n, E] the target's taps of those positions.
@@ -262,17 +269,26 @@ def inject(cfg: DFlashConfig, own: dict, cache: cache_lib.KVCache, taps: jax.Arr
     Returns:
       The cache with the K/V written and ``lengths`` advanced by ``n_new``.
     """
+    from specjax.kernels import kv_injection as kvi
+
     lc = cfg.layer
     t = taps.shape[1]
     positions = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
     cos, sin = layers.rope_tables(lc, positions)
-    ctx = context(cfg, own, taps)
-    ks, vs = [], []
-    for i, p in enumerate(own["layers"]):
-        k, v = context_kv(cfg, p, ctx, cos, sin)
-        ks.append(cache_lib.write_rows(cache.k[i], cache_lib.to_storage(k, lc), cache.lengths))
-        vs.append(cache_lib.write_rows(cache.v[i], cache_lib.to_storage(v, lc), cache.lengths))
-    return cache_lib.KVCache(tuple(ks), tuple(vs), cache.lengths + n_new.astype(jnp.int32))
+    stored = lambda bufs: tuple(cache_lib.from_storage(x, lc) for x in bufs)  # noqa: E731
+    args = (context(cfg, own, taps), [p["wqkv"] for p in own["layers"]],
+            [p["k_norm"] for p in own["layers"]], cos, sin, stored(cache.k), stored(cache.v),
+            cache.lengths)
+    half, block_d = lc.head_dim // 2, math.gcd(lc.d_model, 128)
+    fits = half >= 16 and not half & (half - 1) and block_d >= 16 and cache.k[0].shape[1] >= 16
+    if lc.attention_impl in ("pallas", "pallas-interpret") and fits:
+        ks, vs = kvi.kv_injection(*args, eps=lc.norm_eps, block_d=block_d,
+                                  interpret=lc.attention_impl == "pallas-interpret")
+    else:
+        ks, vs = kvi.kv_injection_reference(*args, eps=lc.norm_eps)
+    to_storage = lambda bufs: tuple(cache_lib.to_storage(x, lc) for x in bufs)  # noqa: E731
+    return cache_lib.KVCache(to_storage(ks), to_storage(vs),
+                             cache.lengths + n_new.astype(jnp.int32))
 
 
 def embed_block(cfg: DFlashConfig, target, params: dict, roots: jax.Array,
