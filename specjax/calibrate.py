@@ -1,4 +1,5 @@
-"""Measured verify costs: how long one target pass over N tree nodes takes on this machine.
+"""Measured costs: how long one target pass over N tree nodes takes on this machine, how long a
+drafter takes per cycle, and the two as a cost table per budget bucket.
 
 ``T_verify(N)`` is the ceiling every drafter lives under: a cycle that emits τ tokens pays one
 verify pass of N nodes plus the drafting, against τ plain steps. The curve depends on the
@@ -113,3 +114,83 @@ def measure_verify_costs(
         if progress is not None:
             progress(n, seconds[-1])
     return VerifyCosts(nodes, tuple(seconds), cfg.dtype, context)
+
+
+def measure_draft_cost(cfg: ModelConfig, params: dict, drafter, dparams,
+                       prompts: Sequence[Sequence[int]], cache_size: int, temperature: float = 0.0,
+                       repeats: int = 20, width: int | None = None) -> float:
+    """Seconds of one ``propose`` call (jitted alone, weights as arguments) after a prefill of
+    ``prompts``: the drafter's cost per cycle, the fastest of ``repeats``.
+
+    Args:
+      prompts: B token-id lists (padded to ``width``, default their bucketed longest).
+      cache_size: KV slots per row, as a generation would use.
+    """
+    from specjax import api
+    from specjax.drafters.base import Context, Prefill
+    from specjax.targets import DecoderTarget
+
+    tokens, lengths = api.pad_prompts(prompts, width=width)
+    prompt, plen = jnp.asarray(tokens), jnp.asarray(lengths)
+    b = prompt.shape[0]
+    tgt = DecoderTarget(cfg)
+    sp = sampling.SamplingParams.make(b, temperature, 0, 1.0)
+
+    @jax.jit
+    def setup(params, dparams, prompt, plen):
+        logits, taps, _ = tgt.prefill(params, prompt, plen, cache_size, drafter.taps)
+        first = sampling.argmax(logits)
+        state = drafter.init(dparams, Prefill(prompt, plen, taps, first, cache_size))
+        seq = jnp.concatenate([prompt, jnp.zeros((b, 1), jnp.int32)], axis=1)
+        return state, seq.at[jnp.arange(b), plen].set(first)
+
+    state, seq = setup(params, dparams, prompt, plen)
+    propose = jax.jit(lambda dparams, st, seq, key: drafter.propose(
+        dparams, st, Context(seq, plen + 1, sp), key)[0])
+    key = jax.random.key(0)
+    jax.block_until_ready(propose(dparams, state, seq, key))
+    best = np.inf
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(propose(dparams, state, seq, key))
+        best = min(best, time.perf_counter() - t0)
+    return float(best)
+
+
+def measure_cost_table(cfg: ModelConfig, params: dict, buckets: Sequence[int], drafter_at=None,
+                       *, batch: int = 1, context: int = 256, key: dict | None = None,
+                       progress=None):
+    """A :class:`specjax.harness.CostTable` measured on this machine.
+
+    Args:
+      buckets: budgets N (0 = a plain step).
+      drafter_at: ``drafter_at(n) -> (drafter, drafter params)`` sized to a budget of n nodes;
+        None: draft costs 0 (a drafter whose cost is negligible or measured elsewhere).
+      batch, context: rows per pass and committed tokens, as the generation will run.
+      key: what the table is for (model, method, ...); the device kind and dtype, batch and
+        context are added.
+      progress: optional callable ``(stage, n, seconds)`` after each measurement.
+    """
+    from specjax import harness
+
+    buckets = tuple(sorted(set(int(n) for n in buckets)))
+    report = progress or (lambda *a: None)
+    costs = measure_verify_costs(cfg, params, sorted({1, *(n for n in buckets if n)}),
+                                 context=context, batch=batch,
+                                 progress=lambda n, s: report("verify", n, s))
+    rng = np.random.default_rng(0)
+    prompts = rng.integers(0, cfg.vocab_size, (batch, context)).tolist()
+    verify, draft = [], []
+    for n in buckets:
+        verify.append(costs.fastest_plain_step if n == 0 else costs.at(n))
+        if n == 0 or drafter_at is None:
+            draft.append(0.0)
+            continue
+        drafter, dparams = drafter_at(n)
+        cache = -(-(context + 2 * drafter.n_nodes + 2) // 64) * 64  # room for a cycle
+        draft.append(measure_draft_cost(cfg, params, drafter, dparams, prompts, cache,
+                                        width=context))
+        report("draft", n, draft[-1])
+    full_key = dict(key or {}, device=jax.devices()[0].device_kind, dtype=cfg.dtype,
+                    batch=batch, context=context)
+    return harness.CostTable(buckets, tuple(verify), tuple(draft), full_key)

@@ -137,6 +137,127 @@ def make_drafter(args, cfg, params):
     return None, None
 
 
+def budget_drafter(args, cfg, params):
+    """``n -> (drafter, drafter params)``: ``--method`` sized to a verify budget of n nodes
+    (root included), loading a checkpoint once; None for plain decoding."""
+    from specjax.targets import DecoderTarget
+
+    if args.method == "plain":
+        return None
+    if args.method == "ngram":
+        from specjax.drafters.ngram import NgramDrafter
+
+        return lambda n: (NgramDrafter.for_budget(n), None)
+    if args.method == "draft-model":
+        from specjax.drafters.draft_model import DraftModelDrafter
+
+        return lambda n: DraftModelDrafter.from_target_layers(cfg, params, args.draft_layers,
+                                                              draft_len=n - 1)
+    tgt = DecoderTarget(cfg)
+    if args.method in ("eagle3", "eagle1"):
+        from specjax.drafters import eagle
+        from specjax.io import official
+
+        path = Path(args.drafter) if args.drafter else shipped_drafter(args.model, args.method)
+        dcfg, own = official.load_eagle(path, cfg, dtype=cfg.dtype)
+        dp = eagle.drafter_params(own, params)
+        return lambda n: (eagle.EagleDrafter(dcfg, tgt, eagle.DynamicTree(
+            n, min(args.tree_depth, n - 1), args.tree_top_k)), dp)
+    from specjax.drafters import dflash
+    from specjax.io import official
+
+    path = Path(args.drafter) if args.drafter else shipped_drafter(args.model, "dflash")
+    dcfg, own = official.load_dflash(path, cfg, dtype=cfg.dtype)
+    dp = dflash.drafter_params(own, params)
+    if args.method == "ddtree":
+        return lambda n: (dflash.DFlashDrafter(dcfg, tgt, dflash.DDTree(n)), dp)
+    return lambda n: (dflash.DFlashDrafter(dcfg, tgt, dflash.BlockChain(), n), dp)
+
+
+def _calibrate(args) -> int:
+    import jax
+    from tqdm import tqdm
+
+    from specjax import calibrate, harness
+    from specjax.io.models import load
+
+    buckets = sorted({int(n) for n in args.buckets.split(",")})
+    key = dict(model=args.model, method=args.method)
+    out = Path(args.out)
+    if out.exists() and not args.force:
+        table = harness.CostTable.from_json(out.read_text())
+        now = dict(key, dtype=args.dtype, batch=args.batch, context=args.context,
+                   device=jax.devices()[0].device_kind)
+        if table.matches(now) and list(table.buckets) == buckets:
+            print(f"{out} already holds this table (--force to measure again)", file=sys.stderr)
+            print(format_cost_table(table))
+            return 0
+    model = load(args.model, dtype=args.dtype)
+    drafter_at = budget_drafter(args, model.cfg, model.params)
+    steps = len({1, *(n for n in buckets if n)}) + (sum(n > 0 for n in buckets)
+                                                    if drafter_at else 0)
+    with tqdm(total=steps, unit="point", desc=f"calibrate {args.method}") as bar:
+        def progress(stage, n, seconds):
+            bar.set_postfix_str(f"{stage} N={n}: {seconds * 1e3:.1f} ms")
+            bar.update()
+
+        table = calibrate.measure_cost_table(model.cfg, model.params, buckets, drafter_at,
+                                             batch=args.batch, context=args.context, key=key,
+                                             progress=progress)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(table.to_json())
+    print(format_cost_table(table))
+    return 0
+
+
+def format_cost_table(table) -> str:
+    """The table as aligned text: one line per bucket, with its expected-token break-even."""
+    lines = [f"{'budget':>6s} {'verify ms':>10s} {'draft ms':>9s} {'cycle ms':>9s} "
+             f"{'break-even tau':>15s}"]
+    step = table.cycle_s[0] if table.buckets[0] == 0 else None
+    for n, v, d, c in zip(table.buckets, table.verify_s, table.draft_s, table.cycle_s):
+        even = "" if step is None else f"{c / step:.2f}"
+        lines.append(f"{'plain' if n == 0 else n:>6} {v * 1e3:10.1f} {d * 1e3:9.1f} "
+                     f"{c * 1e3:9.1f} {even:>15s}")
+    return "\n".join(lines)
+
+
+def _add_calibrate(sub):
+    p = sub.add_parser(
+        "calibrate",
+        help="measure verify and draft costs per budget into a JSON table",
+        description="Measure, on this machine, the verify pass T_verify(N) and the drafter's "
+                    "time per cycle at each budget bucket N (0 = a plain step) into a cost "
+                    "table (JSON), reused while machine, model, dtype, batch and context stay "
+                    "the same. The break-even tau of a bucket is its cycle time in plain steps: "
+                    "a drafter must average more tokens per cycle than that to pay.",
+    )
+    p.add_argument("--model", default="smollm2-135m",
+                   help="a known model name, an HF checkpoint directory, or a .gguf file "
+                        "(default: %(default)s)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    p.add_argument("--method", choices=("plain", "ngram", "draft-model", "eagle3", "eagle1",
+                                        "dflash", "ddtree"), default="plain",
+                   help="the drafter whose cost is measured at each budget (plain: verify "
+                        "costs only; default: %(default)s)")
+    p.add_argument("--drafter", default=None,
+                   help="EAGLE or DFlash drafter directory (default: the shipped one)")
+    p.add_argument("--draft-layers", type=int, default=4,
+                   help="draft-model: target layers kept (default: %(default)s)")
+    p.add_argument("--tree-depth", type=int, default=5,
+                   help="EAGLE dynamic tree draft calls per cycle (default: %(default)s)")
+    p.add_argument("--tree-top-k", type=int, default=4,
+                   help="EAGLE dynamic tree children per expanded node (default: %(default)s)")
+    p.add_argument("--buckets", default="0,2,4,8,16,32",
+                   help="budgets N, root included; 0 = a plain step (default: %(default)s)")
+    p.add_argument("--batch", type=int, default=1, help="rows per pass (default: %(default)s)")
+    p.add_argument("--context", type=int, default=256,
+                   help="committed tokens in the cache (default: %(default)s)")
+    p.add_argument("--out", required=True, help="the JSON table to write")
+    p.add_argument("--force", action="store_true", help="measure even if --out already matches")
+    p.set_defaults(func=_calibrate)
+
+
 def _generate(args) -> int:
     from specjax import api
     from specjax.io.models import load
@@ -522,6 +643,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_generate(sub)
+    _add_calibrate(sub)
     _add_data(sub)
     _add_train(sub)
     return parser

@@ -124,42 +124,6 @@ def _decode_seconds(cfg, params, batch, max_new_tokens, cache_size, drafter, dpa
     return max(full.run_s - first.run_s, 1e-9), full
 
 
-def draft_ms(cfg, params, drafter, dparams, batch: Sequence[Sequence[int]], cache_size: int,
-             temperature: float = 0.0, repeats: int = 20, width: int | None = None) -> float:
-    """Milliseconds of one ``propose`` call (jitted alone) after a prefill of ``batch``: the
-    drafter's cost per cycle, the fastest of ``repeats``."""
-    from specjax import sampling
-    from specjax.drafters.base import Context, Prefill
-    from specjax.targets import DecoderTarget
-
-    tokens, lengths = api.pad_prompts(batch, width=width)
-    prompt, plen = jnp.asarray(tokens), jnp.asarray(lengths)
-    b = prompt.shape[0]
-    tgt = DecoderTarget(cfg)
-    sp = sampling.SamplingParams.make(b, temperature, 0, 1.0)
-
-    @jax.jit
-    def setup(params, dparams, prompt, plen):
-        logits, taps, _ = tgt.prefill(params, prompt, plen, cache_size, drafter.taps)
-        first = sampling.argmax(logits)
-        state = drafter.init(dparams, Prefill(prompt, plen, taps, first, cache_size))
-        seq = jnp.concatenate([prompt, jnp.zeros((b, 1), jnp.int32)], axis=1)
-        return state, seq.at[jnp.arange(b), plen].set(first)
-
-    state, seq = setup(params, dparams, prompt, plen)
-    # Weights are arguments, not constants folded into the program.
-    propose = jax.jit(lambda dparams, st, seq, key: drafter.propose(
-        dparams, st, Context(seq, plen + 1, sp), key)[0])
-    key = jax.random.key(0)
-    jax.block_until_ready(propose(dparams, state, seq, key))
-    best = np.inf
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(propose(dparams, state, seq, key))
-        best = min(best, time.perf_counter() - t0)
-    return best * 1e3
-
-
 def _dflash_configs(cfg, params, dflash_dir, blocks, ddtree_nodes, methods, draft_sample):
     from specjax.drafters import dflash
     from specjax.io import official
@@ -203,7 +167,7 @@ def dflash_layer_costs(model, prompts: Sequence[str], layers: Sequence[int], *, 
         dp = dflash.drafter_params(dflash.init_params(dcfg), params)
         drafter = dflash.DFlashDrafter(dcfg, DecoderTarget(cfg))
         for b in batches:
-            ms = draft_ms(cfg, params, drafter, dp, ids[:b], cache)
+            ms = 1e3 * calibrate.measure_draft_cost(cfg, params, drafter, dp, ids[:b], cache)
             rows.append(dict(layers=n, batch=b, draft_ms=ms))
             log(f"  {n} draft layers, batch {b}: {ms:.1f} ms per cycle")
     return rows
@@ -303,7 +267,8 @@ def run_spec_benchmark(model, prompts: Sequence[str] | Mapping[str, Sequence[str
                         hists[name][i] = np.asarray(res.stats.accept_hist).sum(0)
         log(f"round {r + 1}/{repeats} done")
     draft = {name: None if d is None else
-             draft_ms(c, p, d, dp, batches[0][1], cache_size, temperature, width=width)
+             1e3 * calibrate.measure_draft_cost(c, p, d, dp, batches[0][1], cache_size,
+                                                  temperature, width=width)
              for name, (c, p, d, dp) in configs.items()}
     sets = []
     for set_name, ids in encoded.items():

@@ -171,3 +171,26 @@ def test_draft_layers_must_be_fewer_than_the_target_has(cli_model, capsys):
 def test_model_without_tokenizer_is_an_error(hf_qwen3_dir, capsys):
     rc, _, err = _run(capsys, "generate", "--model", str(hf_qwen3_dir[0]), "--prompt", "hi")
     assert rc == 2 and "has no tokenizer files" in err
+
+
+def test_calibrate_writes_a_cost_table_and_reuses_it(cli_model, tmp_path, capsys):
+    """``specjax calibrate``: verify and draft costs per bucket into JSON; a second call with
+    the same settings reads it back instead of measuring."""
+    from specjax import harness
+
+    path, _ = cli_model
+    out = tmp_path / "costs.json"
+    argv = ("calibrate", "--model", str(path), "--method", "draft-model", "--draft-layers", "1",
+            "--buckets", "0,2,4", "--context", "32", "--out", str(out))
+    rc, text, _ = _run(capsys, *argv)
+    assert rc == 0
+    table = harness.CostTable.from_json(out.read_text())
+    assert table.buckets == (0, 2, 4) and table.draft_s[0] == 0 and min(table.draft_s[1:]) > 0
+    assert min(table.verify_s) > 0
+    assert table.key["method"] == "draft-model" and table.key["context"] == 32
+    assert [line.split()[0] for line in text.splitlines()[1:]] == ["plain", "2", "4"]
+    rc, again, err = _run(capsys, *argv)
+    assert rc == 0 and "already holds this table" in err and again == text
+    rc, _, err = _run(capsys, *argv[:-2], "--out", str(tmp_path / "bad.json"), "--buckets", "0,1",
+                      "--method", "dflash", "--drafter", str(tmp_path / "none"))
+    assert rc == 2 and "error:" in err

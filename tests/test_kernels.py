@@ -277,4 +277,4 @@ def test_the_gpu_script_runs_tiny_on_cpu(capsys):
     out = capsys.readouterr().out
     diffs = [float(x) for x in re.findall(r"max diff (\S+)", out)]
     assert len(diffs) == 3 and max(diffs) < 5e-2, out  # tree attention; injection batch 1, 4
-    assert len(re.findall(r"T_step .* N=4: \d+\.\d+x", out)) == 2, out  # kernel on and off
+    assert re.search(r"pallas-interpret +context +64: T_step .* N=4: \d+\.\d+x", out), out

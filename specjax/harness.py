@@ -1,0 +1,105 @@
+"""The cost model of cost-aware speculation: calibrated cycle costs per budget bucket, the
+expected tokens a budget buys, and the bucket that buys the most tokens per second.
+
+A speculative cycle of budget N (tree nodes verified, root included) costs one verify pass
+``T_verify(N)`` plus the drafter's own time ``T_draft(N)``, and emits ``1 + E[accepted]``
+tokens. Budget 0 is a plain step: one token for ``T_step``, no drafting. Given an estimate of
+how likely each drafted node is to be accepted, the best bucket is
+
+    argmax_k  tokens(N_k) / (T_verify(N_k) + T_draft(N_k)).
+
+**Acceptance estimates.** The drafter reports ``path_probs`` [B, M]: for its M best nodes
+(root excluded) in best-first order, the probability that the node and all its ancestors are
+accepted (a chain: the running product of per-position acceptance probabilities; a tree
+drafted best-first: each node's path confidence). The expected accepted count of a budget N
+(its first N - 1 nodes) is the sum of those probabilities, since the accepted length is the
+sum of the indicator "this node's path is accepted" over nodes; best-first order makes the
+first N - 1 nodes the best such set. One verify pass serves the whole batch, so the bucket
+is chosen per batch from the rows' summed expected tokens.
+
+Costs are measured (``specjax calibrate``) into a :class:`CostTable` JSON, reused while the
+machine, model, dtype and batch stay the same.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class CostTable:
+    """Seconds of one cycle per budget bucket, on one machine for one model.
+
+    Attributes:
+      buckets: budgets N (verify nodes, root included), ascending; 0 = a plain step.
+      verify_s: seconds of the verify pass of each bucket (bucket 0: the plain step).
+      draft_s: seconds of drafting at each bucket (0 for bucket 0).
+      key: what the costs were measured for (device kind, model, dtype, batch, context);
+        a table is reused only where it matches.
+    """
+
+    buckets: tuple[int, ...]
+    verify_s: tuple[float, ...]
+    draft_s: tuple[float, ...]
+    key: dict = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self):
+        n = len(self.buckets)
+        if not n or len(self.verify_s) != n or len(self.draft_s) != n:
+            raise ValueError(f"{len(self.buckets)} buckets, {len(self.verify_s)} verify costs and "
+                             f"{len(self.draft_s)} draft costs: one of each per bucket")
+        if list(self.buckets) != sorted(set(self.buckets)) or self.buckets[0] < 0:
+            raise ValueError(f"buckets {list(self.buckets)} must be distinct, ascending, >= 0")
+        if min(self.verify_s) <= 0 or min(self.draft_s) < 0:
+            raise ValueError("verify costs must be positive and draft costs non-negative")
+
+    @property
+    def cycle_s(self) -> np.ndarray:
+        """[n_buckets] seconds of a whole cycle of each bucket."""
+        return np.asarray(self.verify_s) + np.asarray(self.draft_s)
+
+    def matches(self, key: dict) -> bool:
+        """Whether this table was measured for ``key`` (every entry equal)."""
+        return all(self.key.get(k) == v for k, v in key.items())
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> CostTable:
+        try:
+            raw = json.loads(text)
+            return cls(tuple(raw["buckets"]), tuple(raw["verify_s"]), tuple(raw["draft_s"]),
+                       dict(raw.get("key", {})))
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ValueError(f"not a cost table ({type(e).__name__}: {e})") from None
+
+
+def expected_tokens(path_probs: jax.Array, buckets: Sequence[int]) -> jax.Array:
+    """Tokens a cycle of each bucket emits in expectation (module docstring).
+
+    Args:
+      path_probs: [B, M] float, the acceptance probabilities of the drafter's M best nodes in
+        best-first order (root excluded); a bucket larger than M + 1 counts M.
+      buckets: budgets N (0 = a plain step).
+    Returns:
+      [B, n_buckets] float32: 1 for bucket 0, else 1 + the sum of the first N - 1 probabilities.
+    """
+    p = jnp.clip(path_probs.astype(jnp.float32), 0.0, 1.0)
+    csum = jnp.concatenate([jnp.zeros_like(p[:, :1]), jnp.cumsum(p, axis=1)], axis=1)
+    take = np.clip(np.maximum(np.asarray(buckets) - 1, 0), 0, p.shape[1])
+    return 1.0 + csum[:, take]
+
+
+def choose_bucket(path_probs: jax.Array, table: CostTable) -> jax.Array:
+    """The index (into ``table.buckets``) of the bucket with the most expected tokens per
+    second for the whole batch: a scalar int32, traceable (usable inside the decoding loop)."""
+    rate = expected_tokens(path_probs, table.buckets).sum(0) / jnp.asarray(table.cycle_s,
+                                                                         jnp.float32)
+    return jnp.argmax(rate).astype(jnp.int32)
