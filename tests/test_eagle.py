@@ -260,7 +260,7 @@ def test_mismatched_target_is_refused_with_a_clear_error():
 
 def test_bad_params_and_configs_name_the_problem():
     bad = dict(OWN3, fc=OWN3["fc"][:, :16])
-    with pytest.raises(ValueError, match=r"\['fc'\] has shape \(96, 16\), expected \(96, 32\)"):
+    with pytest.raises(ValueError, match=r"param fc has shape \(96, 16\), expected \(96, 32\)"):
         eagle.check_params(E3, bad)
     with pytest.raises(ValueError, match="outside the target vocabulary"):
         eagle.check_params(E3, dict(OWN3, d2t=OWN3["d2t"] + 30))

@@ -181,3 +181,24 @@ class FunctionDrafter:
 def chain_parents(batch: int, n: int) -> jax.Array:
     """[B, N] parents of a chain: -1, 0, 1, ..., N - 2."""
     return jnp.broadcast_to(jnp.arange(-1, n - 1, dtype=jnp.int32), (batch, n))
+
+
+def leaf_shapes(tree) -> dict[str, tuple[int, ...]]:
+    """{dotted key ("layers.0.wqkv"): shape} of every leaf of a params pytree."""
+    def name(path):
+        return ".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+
+    return {name(p): tuple(jnp.shape(x)) for p, x in jax.tree_util.tree_leaves_with_path(tree)}
+
+
+def check_shapes(what: str, expected, got) -> None:
+    """Raises ValueError naming the first difference between two params pytrees' leaves
+    (missing or unexpected keys, then shapes): ``what`` names the params in the message."""
+    want, have = leaf_shapes(expected), leaf_shapes(got)
+    if set(have) != set(want):
+        raise ValueError(f"{what} params lack {sorted(set(want) - set(have))} and have "
+                         f"unexpected {sorted(set(have) - set(want))}")
+    for key, shape in want.items():
+        if have[key] != shape:
+            raise ValueError(f"{what} param {key} has shape {have[key]}, expected {shape}; "
+                             "drafter and config mismatch")

@@ -55,7 +55,8 @@ import numpy as np
 
 from specjax import sampling
 from specjax.config import ModelConfig
-from specjax.drafters.base import Accepted, Context, Prefill, Proposal, chain_parents
+from specjax.drafters.base import (Accepted, Context, Prefill, Proposal, chain_parents,
+                                   check_shapes)
 from specjax.models import attention as attn
 from specjax.models import cache as cache_lib
 from specjax.models import layers
@@ -208,25 +209,9 @@ def init_params(cfg: DFlashConfig, seed: int = 0, scale: float = 0.02) -> dict:
     return own
 
 
-def _shapes(tree) -> dict[str, tuple[int, ...]]:
-    """{dotted key ("layers.0.wqkv"): shape} of every leaf."""
-    def name(path):
-        return ".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
-
-    return {name(p): tuple(np.shape(x)) for p, x in jax.tree_util.tree_leaves_with_path(tree)}
-
-
 def check_params(cfg: DFlashConfig, own: dict) -> None:
     """Raises ValueError when ``own`` does not fit ``cfg`` (keys and shapes)."""
-    want = _shapes(jax.eval_shape(lambda: init_params(cfg)))
-    got = _shapes(own)
-    if set(got) != set(want):
-        raise ValueError(f"DFlash params lack {sorted(set(want) - set(got))} and have "
-                         f"unexpected {sorted(set(got) - set(want))}")
-    for key, shape in want.items():
-        if tuple(got[key]) != tuple(shape):
-            raise ValueError(f"DFlash param {key} has shape {tuple(got[key])}, expected "
-                             f"{tuple(shape)}; drafter and config mismatch")
+    check_shapes("DFlash", jax.eval_shape(lambda: init_params(cfg)), own)
 
 
 # ----------------------------------------------------------------------------------------
@@ -518,11 +503,12 @@ class DFlashDrafter:
         b = roots.shape[0]
         positions = cache.lengths[:, None] + jnp.arange(bk, dtype=jnp.int32)[None, :]
         h = embed_block(cfg, self.target, params, roots, bk)
-        slots = jnp.broadcast_to(jnp.arange(cache.capacity, dtype=jnp.int32), (b, cache.capacity))
 
         def context_block(i):
             rule = attn.Prefix(cache.lengths)
             if cfg.window(i) is not None:
+                slots = jnp.broadcast_to(jnp.arange(cache.capacity, dtype=jnp.int32),
+                                         (b, cache.capacity))
                 rule = attn.Intersect((rule, attn.Window(positions, slots, cfg.window(i))))
             return attn.KeyBlock(cache_lib.from_storage(cache.k[i], lc),
                                  cache_lib.from_storage(cache.v[i], lc), rule)

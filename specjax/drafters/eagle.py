@@ -63,7 +63,8 @@ import numpy as np
 
 from specjax import sampling
 from specjax.config import ModelConfig
-from specjax.drafters.base import Accepted, Context, Prefill, Proposal, chain_parents
+from specjax.drafters.base import (Accepted, Context, Prefill, Proposal, chain_parents,
+                                   check_shapes)
 from specjax.models import attention as attn
 from specjax.models import cache as cache_lib
 from specjax.models import layers
@@ -211,16 +212,7 @@ def draft_vocab(counts: np.ndarray, size: int) -> np.ndarray:
 
 def check_params(cfg: EagleConfig, own: dict) -> None:
     """Raises ValueError when ``own`` does not fit ``cfg`` (keys, shapes, ``d2t`` range)."""
-    expect = jax.eval_shape(lambda: init_params(cfg))
-    want = {jax.tree_util.keystr(p): x.shape for p, x in jax.tree_util.tree_leaves_with_path(expect)}
-    got = {jax.tree_util.keystr(p): np.shape(x) for p, x in jax.tree_util.tree_leaves_with_path(own)}
-    if set(got) != set(want):
-        raise ValueError(f"EAGLE-{cfg.version} params lack {sorted(set(want) - set(got))} and have "
-                         f"unexpected {sorted(set(got) - set(want))}")
-    for key, shape in want.items():
-        if tuple(got[key]) != tuple(shape):
-            raise ValueError(f"EAGLE-{cfg.version} param {key} has shape {tuple(got[key])}, "
-                             f"expected {tuple(shape)}; drafter and config mismatch")
+    check_shapes(f"EAGLE-{cfg.version}", jax.eval_shape(lambda: init_params(cfg)), own)
     if cfg.version == 3:
         ids = np.arange(cfg.draft_vocab_size) + np.asarray(own["d2t"])
         if ids.min() < 0 or ids.max() >= cfg.target_vocab_size:

@@ -66,7 +66,7 @@ def _arch(config: Mapping[str, Any]) -> str:
     raise ValueError(f"unknown architecture {model_type!r}; supported: {_supported()}")
 
 
-def _rope(config: Mapping[str, Any]) -> tuple[float, RopeScaling | None]:
+def rope_settings(config: Mapping[str, Any]) -> tuple[float, RopeScaling | None]:
     """(rope_theta, scaling) from either the transformers<5 or the transformers 5 spelling.
 
     transformers<5 writes ``rope_theta`` at top level and ``rope_scaling: {"rope_type"|"type":
@@ -144,7 +144,7 @@ def config_from_hf(config: Mapping[str, Any], dtype: str = "float32") -> ModelCo
         raise ValueError(f"config.json is missing {missing}")
     n_heads = int(config["num_attention_heads"])
     head_dim = config.get("head_dim") or config["hidden_size"] // n_heads
-    theta, scaling = _rope(config)
+    theta, scaling = rope_settings(config)
     return ModelConfig(
         arch=arch,
         vocab_size=int(config["vocab_size"]),

@@ -37,8 +37,8 @@ import numpy as np
 from specjax.config import ModelConfig
 from specjax.drafters import eagle
 from specjax.drafters.eagle import EagleConfig
-from specjax.io.hf import (COPY, GATE_UP, LINEAR, QKV, Row, SafetensorsFile, Transform, _rope,
-                           write_safetensors)
+from specjax.io.hf import (COPY, GATE_UP, LINEAR, QKV, Row, SafetensorsFile, Transform,
+                           rope_settings, write_safetensors)
 
 _D2T = Transform(lambda tensors, cfg: tensors[0].astype(np.int32),
                  lambda x, cfg: (x.astype(np.int64),))
@@ -389,7 +389,7 @@ def dflash_config_from_official(config: dict, target_cfg: ModelConfig, has_mask_
                          "missing and there is no mask_embedding tensor")
     if config.get("attention_bias"):
         raise ValueError("attention_bias=true is not supported (DFlash layers have no biases)")
-    theta, scaling = _rope(config)
+    theta, scaling = rope_settings(config)
     layer = ModelConfig(
         arch="qwen3", d_model=d, n_layers=n_layers, n_heads=heads,
         n_kv_heads=int(config.get("num_key_value_heads", heads)),
