@@ -41,14 +41,13 @@ import argparse
 import inspect
 import shlex
 import sys
-import time
 from collections.abc import Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax import api, calibrate
+from specjax import api, calibrate, metrics
 from specjax.drafters.draft_model import DraftModelDrafter
 from specjax.drafters.ngram import NgramDrafter
 from specjax.io.layout import without_row_weights
@@ -282,9 +281,8 @@ def run_spec_benchmark(model, prompts: Sequence[str] | Mapping[str, Sequence[str
             mismatches = [j for j, i in enumerate(idx)
                           if temperature == 0 and c.dtype == "float32"
                           and outputs[name, i] != outputs["plain f32", i]]
-            hist = np.asarray(sum(hists[name][i] for i in idx))
-            accept = ([float(hist[k:].sum() / hist.sum()) for k in range(1, hist.size)]
-                      if hist.size > 1 else [])
+            hist = np.asarray(sum(hists[name][i] for i in idx))  # 0 for plain decoding
+            accept = metrics.acceptance_by_position(hist) if hist.ndim else []
             rows.append(dict(name=name, decode_s=secs, tau=tau,
                              tok_s=len(ids) * (max_new_tokens - 1) / secs,
                              speedup=plain / secs, speedup_vs_fastest=fastest_plain / secs,

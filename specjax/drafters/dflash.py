@@ -51,7 +51,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from specjax import sampling
 from specjax.config import ModelConfig
