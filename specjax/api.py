@@ -124,6 +124,7 @@ def generate_tokens(
     drafter=None,
     drafter_params=None,
     prompt_width: int | None = None,
+    budget=None,
 ) -> GenerateResult:
     """Plain or speculative generation for a batch of token-id prompts.
 
@@ -142,6 +143,9 @@ def generate_tokens(
       prompt_width: pad the prompts to this width instead of the longest rounded up to
         ``PROMPT_BUCKET``, so that requests of different lengths share one executable (a
         benchmark compiles each configuration once); at least the longest prompt.
+      budget: cost-aware speculation (a :class:`specjax.harness.Budget`, e.g.
+        ``CostTable.budget()``): each cycle verifies only as many of the drafter's nodes as
+        its confidences say pay; None verifies them all.
     Raises:
       ValueError: a bad sampling value, an out-of-vocabulary prompt token, or a request longer
         than the cache (or the model's context).
@@ -171,10 +175,13 @@ def generate_tokens(
                    stop_tokens=tuple(int(t) for t in stop_tokens))
     prompt, prompt_len, rng = jnp.asarray(tokens), jnp.asarray(lengths), jax.random.key(seed)
     if drafter is None:
+        if budget is not None:
+            raise ValueError("a cost-aware budget needs a drafter")
         fn, args = decode.generate, (params, prompt, prompt_len, sp, rng)
     else:
         fn, args = decode.speculative_generate, (params, drafter_params, prompt, prompt_len, sp, rng)
         statics["drafter"] = drafter
+        statics["budget"] = budget
     exe, compile_s = _compiled(fn, args, statics)
     t0 = time.perf_counter()
     out = jax.block_until_ready(exe(*args))

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax import sampling
+from specjax import harness, sampling
 from specjax import tree as tree_lib
 from specjax import verify as verify_lib
 from specjax import targets as targets_lib
@@ -179,12 +179,15 @@ class SpecStats:
         ``a`` drafts. Acceptance at depth d = cycles with ``a >= d`` / cycles.
       fallbacks: [B] int32 cycles whose proposal was unusable (non-finite draft scores or
         out-of-range tokens) and ran as plain decoding instead.
+      verified: [B] int32 nodes of the verify passes the row took part in (the pass widths,
+        root included): ``verified / cycles`` is the mean verify budget.
     """
 
     cycles: jax.Array
     accepted: jax.Array
     accept_hist: jax.Array
     fallbacks: jax.Array
+    verified: jax.Array
 
 
 @jax.tree_util.register_dataclass
@@ -261,7 +264,8 @@ def _first_stop(emitted: jax.Array, count: jax.Array, stop_tokens: tuple[int, ..
 
 
 @functools.partial(jax.jit, static_argnames=("target", "drafter", "max_new_tokens", "capacity",
-                                             "stop_tokens", "pad_id", "return_dstate"))
+                                             "stop_tokens", "pad_id", "return_dstate",
+                                             "budget"))
 def speculative_generate(
     params: dict,
     drafter_params,
@@ -277,6 +281,7 @@ def speculative_generate(
     stop_tokens: tuple[int, ...] = (),
     pad_id: int = 0,
     return_dstate: bool = False,
+    budget=None,
 ) -> SpecGeneration:
     """Speculative generation: prefill, then a ``lax.while_loop`` of propose -> verify -> commit.
 
@@ -304,8 +309,16 @@ def speculative_generate(
       pad_id: filler past each row's end.
       return_dstate: also return the drafter's final state (static; it may be large, such as
         a drafter's own cache, so it is dropped by default).
+      budget: a static :class:`specjax.harness.Budget` for cost-aware speculation: each cycle
+        verifies only the first ``buckets[k]`` nodes of the proposal (bucket 0: the roots, a
+        plain step), k chosen from the proposal's ``confidence`` by
+        :func:`specjax.harness.choose_bucket` (one compiled pass per distinct width, under a
+        ``lax.switch``); None verifies every node. Needs a target with ``forward_fresh`` and
+        a drafter that reports confidences.
     Returns:
       A :class:`SpecGeneration`.
+    Raises:
+      ValueError: ``budget`` with a target or drafter that cannot take it.
     """
     b, p = prompt.shape
     n, depth_max = drafter.n_nodes, drafter.max_depth
@@ -324,7 +337,16 @@ def speculative_generate(
         done=first_stop | (max_new_tokens <= 1), stopped=first_stop, cache=cache,
         dstate=dstate, rng=rng, cycle=jnp.int32(0),
         stats=SpecStats(cycles=zeros, accepted=zeros,
-                        accept_hist=jnp.zeros((b, depth_max + 1), jnp.int32), fallbacks=zeros))
+                        accept_hist=jnp.zeros((b, depth_max + 1), jnp.int32), fallbacks=zeros,
+                        verified=zeros))
+    fast = targets_lib.fresh_pass(target)
+    m = min(n, targets_lib.step_tokens(target))
+    if budget is not None:
+        if fast is None:
+            raise ValueError("cost-aware budgets need a target that offers forward_fresh")
+        # Bucket k's pass width: its nodes, at least a plain step's rows, at most the tree.
+        widths = tuple(min(max(w, m), n) for w in budget.buckets)
+        distinct = sorted(set(widths))
 
     def cond(s: SpecState):
         return ~jnp.all(s.done)
@@ -338,6 +360,14 @@ def speculative_generate(
         # Unusable rows keep only the root: the cycle is one plain decoding step for them.
         only_root = jnp.arange(n)[None, :] == 0
         node_valid = proposal.node_valid & (usable[:, None] | only_root)
+        if budget is not None:
+            if proposal.confidence is None:
+                raise ValueError(f"{type(drafter).__name__} reports no confidence for "
+                                 "cost-aware budgets")
+            conf = jnp.where(node_valid & running[:, None], proposal.confidence, 0.0)
+            k = harness.choose_bucket(conf[:, 1:], budget)
+            keep = jnp.asarray([max(w, 1) for w in budget.buckets], jnp.int32)[k]
+            node_valid &= jnp.arange(n)[None, :] < keep
         tokens = jnp.where(node_valid, proposal.tokens, 0).at[:, 0].set(ctx.root)
         draft_logits = proposal.draft_logits
         if draft_logits is not None:
@@ -350,24 +380,34 @@ def speculative_generate(
             anc = tree_lib.ancestor_mask(proposal.parents)  # [B, N, N]
             depth = jnp.sum(anc, axis=-1, dtype=jnp.int32) - 1
         positions = (s.seq_len - 1)[:, None] + depth  # the root sits at committed length
-        fast = targets_lib.fresh_pass(target)
-        m = min(n, targets_lib.step_tokens(target))
-        if m < n and fast is not None:
+
+        def score(width):
+            return fast.forward_fresh(params, tokens[:, :width], positions[:, :width],
+                                      s.cache, anc[:, :width, :width], drafter.taps)
+
+        def padded(width):  # scored at width, padded back to N nodes (the padding invalid)
+            return jax.tree.map(
+                lambda x: jnp.pad(x, [(0, 0), (0, n - width)] + [(0, 0)] * (x.ndim - 2)),
+                score(width))
+
+        width = jnp.int32(n)
+        if budget is not None:
+            # The cache is only read inside the switch and written after it (see below).
+            pick = jnp.asarray([distinct.index(w) for w in widths], jnp.int32)[k]
+            t_logits, t_taps, fresh = jax.lax.switch(
+                pick, [functools.partial(padded, w) for w in distinct])
+            cache = fast.write_fresh(s.cache, fresh)
+            width = jnp.asarray(widths, jnp.int32)[k]
+        elif m < n and fast is not None:
             # A cycle in which no running row has a draft (prompt lookup found nothing, say)
             # scores just the first m nodes: a plain step's cost instead of an N-node pass.
             # The cache is only read inside the cond and written after it; written inside,
             # XLA would copy every layer's cache on every cycle.
-            def score(width):
-                return fast.forward_fresh(params, tokens[:, :width], positions[:, :width],
-                                          s.cache, anc[:, :width, :width], drafter.taps)
-
-            def roots_only():  # padded back to N nodes; the padding nodes are invalid
-                return jax.tree.map(
-                    lambda x: jnp.pad(x, [(0, 0), (0, n - m)] + [(0, 0)] * (x.ndim - 2)), score(m))
-
             any_draft = jnp.any(running[:, None] & node_valid[:, 1:])
-            t_logits, t_taps, fresh = jax.lax.cond(any_draft, lambda: score(n), roots_only)
+            t_logits, t_taps, fresh = jax.lax.cond(any_draft, lambda: score(n),
+                                                   lambda: padded(m))
             cache = fast.write_fresh(s.cache, fresh)
+            width = jnp.where(any_draft, n, m)
         else:
             t_logits, t_taps, cache = target.forward(params, tokens, positions, s.cache, anc,
                                                      drafter.taps)
@@ -395,7 +435,8 @@ def speculative_generate(
             accepted=st.accepted + n_acc,
             accept_hist=st.accept_hist + (running[:, None] & (
                 jnp.arange(depth_max + 1)[None, :] == n_acc[:, None])),
-            fallbacks=st.fallbacks + (running & ~usable))
+            fallbacks=st.fallbacks + (running & ~usable),
+            verified=st.verified + jnp.where(running, width, 0))
         return SpecState(seq=seq, seq_len=seq_len, n_generated=n_generated, done=done,
                          stopped=s.stopped | hit, cache=cache, dstate=dstate, rng=s.rng,
                          cycle=s.cycle + 1, stats=stats)

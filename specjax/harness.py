@@ -18,7 +18,8 @@ first N - 1 nodes the best such set. One verify pass serves the whole batch, so 
 is chosen per batch from the rows' summed expected tokens.
 
 Costs are measured (``specjax calibrate``) into a :class:`CostTable` JSON, reused while the
-machine, model, dtype and batch stay the same.
+machine, model, dtype and batch stay the same; its :meth:`CostTable.budget` is what
+``decode.speculative_generate(budget=...)`` compiles in.
 """
 
 from __future__ import annotations
@@ -64,6 +65,10 @@ class CostTable:
         """[n_buckets] seconds of a whole cycle of each bucket."""
         return np.asarray(self.verify_s) + np.asarray(self.draft_s)
 
+    def budget(self) -> Budget:
+        """The static part the decoding loop compiles in: buckets and cycle costs."""
+        return Budget(self.buckets, tuple(float(c) for c in self.cycle_s))
+
     def matches(self, key: dict) -> bool:
         """Whether this table was measured for ``key`` (every entry equal)."""
         return all(self.key.get(k) == v for k, v in key.items())
@@ -79,6 +84,30 @@ class CostTable:
                        dict(raw.get("key", {})))
         except (json.JSONDecodeError, KeyError, TypeError) as e:
             raise ValueError(f"not a cost table ({type(e).__name__}: {e})") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class Budget:
+    """Cost-aware budgets as the decoding loop takes them (static, hashable): each cycle it
+    verifies the first ``buckets[k]`` nodes of the proposal (bucket 0: the root alone, a plain
+    step) for the k that :func:`choose_bucket` picks from the proposal's confidences.
+
+    Attributes:
+      buckets: budgets N, ascending (0 = a plain step).
+      cycle_s: seconds of a cycle of each bucket (verify plus draft).
+    """
+
+    buckets: tuple[int, ...]
+    cycle_s: tuple[float, ...]
+
+    def __post_init__(self):
+        if len(self.buckets) != len(self.cycle_s) or not self.buckets:
+            raise ValueError(f"{len(self.buckets)} buckets and {len(self.cycle_s)} cycle costs: "
+                             "one per bucket")
+        if list(self.buckets) != sorted(set(self.buckets)) or self.buckets[0] < 0:
+            raise ValueError(f"buckets {list(self.buckets)} must be distinct, ascending, >= 0")
+        if min(self.cycle_s) <= 0:
+            raise ValueError("cycle costs must be positive")
 
 
 def expected_tokens(path_probs: jax.Array, buckets: Sequence[int]) -> jax.Array:
@@ -97,9 +126,10 @@ def expected_tokens(path_probs: jax.Array, buckets: Sequence[int]) -> jax.Array:
     return 1.0 + csum[:, take]
 
 
-def choose_bucket(path_probs: jax.Array, table: CostTable) -> jax.Array:
+def choose_bucket(path_probs: jax.Array, table: CostTable | Budget) -> jax.Array:
     """The index (into ``table.buckets``) of the bucket with the most expected tokens per
-    second for the whole batch: a scalar int32, traceable (usable inside the decoding loop)."""
+    second for the whole batch: a scalar int32, traceable (usable inside the decoding loop);
+    ties go to the smaller bucket."""
     rate = expected_tokens(path_probs, table.buckets).sum(0) / jnp.asarray(table.cycle_s,
                                                                          jnp.float32)
     return jnp.argmax(rate).astype(jnp.int32)

@@ -1,5 +1,6 @@
-"""The cost model of cost-aware speculation on hand-made tables and confidences: expected
-tokens per bucket, the bucket the arithmetic picks, and the table's JSON form."""
+"""Cost-aware speculation: the cost model on hand-made tables and confidences (expected tokens
+per bucket, the bucket the arithmetic picks, the table's JSON form) and the decoding loop that
+uses it (lossless at every bucket, the chosen widths, choices that follow the confidences)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,11 @@ import jax
 import numpy as np
 import pytest
 
-from specjax import harness
+from specjax import api, harness
+from specjax.config import ModelConfig
+from specjax.drafters import dflash
+from specjax.models import target
+from specjax.targets import DecoderTarget
 
 # Plain step 50 ms; verify 100 / 140 / 180 ms at N = 4 / 8 / 16; drafting 10 / 10 / 20 ms.
 TABLE = harness.CostTable(buckets=(0, 4, 8, 16), verify_s=(0.05, 0.10, 0.14, 0.18),
@@ -59,3 +64,74 @@ def test_cost_table_json_round_trip_and_errors():
         harness.CostTable((0, 4), (0.05,), (0.0, 0.01))
     with pytest.raises(ValueError, match="distinct, ascending"):
         harness.CostTable((4, 0), (0.1, 0.05), (0.01, 0.0))
+
+
+# The cost-aware loop on a tiny target with a random DFlash drafter (DDTree of 8 nodes and a
+# block chain of 6): whatever bucket the costs force, greedy output equals plain decoding and
+# the verify widths are the bucket's.
+TINY = ModelConfig(arch="llama", vocab_size=61, d_model=32, n_layers=4, n_heads=4, n_kv_heads=2,
+                   head_dim=8, d_ff=48)
+PARAMS = target.init_params(TINY, 0, scale=0.5)
+PROMPTS = [[5, 9, 3, 5, 9, 3, 5], [7, 1, 2, 8, 4, 4, 6, 10, 11, 7, 1], [13], [2, 2, 2, 2]]
+DCFG = dflash.DFlashConfig.for_target(TINY, n_layers=1, block_size=6, mask_token_id=None,
+                                      n_taps=2)
+DPARAMS = dflash.drafter_params(dflash.init_params(DCFG, 1, scale=0.3), PARAMS)
+
+
+@pytest.mark.parametrize("policy, cycle_s, width", [
+    (dflash.DDTree(8), (1e-3, 1.0, 1.0), 1),   # a plain step always wins
+    (dflash.DDTree(8), (1.0, 1e-3, 1.0), 4),   # 4 nodes cost nothing
+    (dflash.DDTree(8), (1.0, 1.0, 1e-3), 8),   # the whole tree costs nothing
+    (dflash.BlockChain(), (1.0, 1e-3, 1.0), 4),
+], ids=["ddtree-plain", "ddtree-4", "ddtree-8", "chain-4"])
+def test_cost_aware_loop_is_lossless_at_the_chosen_width(policy, cycle_s, width):
+    drafter = dflash.DFlashDrafter(DCFG, DecoderTarget(TINY), policy)
+    budget = harness.Budget((0, 4, 8), cycle_s)
+    plain = api.generate_tokens(TINY, PARAMS, PROMPTS, max_new_tokens=12)
+    got = api.generate_tokens(TINY, PARAMS, PROMPTS, max_new_tokens=12, drafter=drafter,
+                              drafter_params=DPARAMS, budget=budget)
+    assert got.tokens == plain.tokens
+    st = got.stats
+    assert (st.verified == width * st.cycles).all(), (st.verified, st.cycles)
+    if width == 1:
+        assert got.tau == 1.0
+
+
+def test_choices_follow_the_confidences():
+    """One budget whose plain step and 8-node pass rates cross inside the confidences' range:
+    the loop uses both (and stays lossless)."""
+    drafter = dflash.DFlashDrafter(DCFG, DecoderTarget(TINY), dflash.DDTree(8))
+    # With the 8-node pass at 1 + c times a plain step, it wins exactly when the batch's
+    # expected extra tokens exceed c: for c between the smallest and largest the loop sees,
+    # both buckets occur. Measure that range through the drafter's own confidences.
+    seen = []
+    orig = dflash.DFlashDrafter.propose
+
+    def spy(self, *args):
+        proposal, state = orig(self, *args)
+        jax.debug.callback(lambda c: seen.append(float(c.sum(0)[1:].sum() / c.shape[0])),
+                           proposal.confidence)
+        return proposal, state
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(dflash.DFlashDrafter, "propose", spy)
+        api.generate_tokens(TINY, PARAMS, PROMPTS[:1], max_new_tokens=12, drafter=drafter,
+                            drafter_params=DPARAMS, budget=harness.Budget((0, 8), (1.0, 1e-3)))
+    c = float(np.median(seen))
+    got = api.generate_tokens(TINY, PARAMS, PROMPTS[:1], max_new_tokens=12, drafter=drafter,
+                              drafter_params=DPARAMS, budget=harness.Budget((0, 8), (1.0, 1 + c)))
+    assert got.tokens == api.generate_tokens(TINY, PARAMS, PROMPTS[:1], max_new_tokens=12).tokens
+    cycles, verified = int(got.stats.cycles[0]), int(got.stats.verified[0])
+    assert cycles < verified < 8 * cycles, (cycles, verified, seen)
+
+
+def test_budgets_need_a_drafter_with_confidences():
+    from specjax.drafters.ngram import NgramDrafter
+
+    with pytest.raises(ValueError, match="NgramDrafter reports no confidence"):
+        api.generate_tokens(TINY, PARAMS, PROMPTS, max_new_tokens=4,
+                            drafter=NgramDrafter.for_budget(4),
+                            budget=harness.Budget((0, 4), (1.0, 1.0)))
+    with pytest.raises(ValueError, match="needs a drafter"):
+        api.generate_tokens(TINY, PARAMS, PROMPTS, max_new_tokens=4,
+                            budget=harness.Budget((0, 4), (1.0, 1.0)))

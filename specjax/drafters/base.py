@@ -49,12 +49,17 @@ class Proposal:
       draft_logits: [B, N, V] float32 or None. When given, node ``i``'s children were drawn
         i.i.d. from ``sampling.log_probs(draft_logits[:, i])`` (the real ``q`` of stochastic
         verification); None marks the proposals deterministic (no ``q`` needed).
+      confidence: [B, N] float32 or None: the drafter's estimate that node i and all its
+        ancestors are accepted (the root's is 1), what a cost-aware budget reads
+        (:mod:`specjax.harness`): it keeps the first n nodes, so a drafter that orders its nodes
+        best-first gets the best n-node subtree. None: the drafter gives no estimate.
     """
 
     tokens: jax.Array
     parents: jax.Array
     node_valid: jax.Array
     draft_logits: jax.Array | None = None
+    confidence: jax.Array | None = None
 
 
 @jax.tree_util.register_dataclass

@@ -53,6 +53,7 @@ import jax
 import jax.numpy as jnp
 
 from specjax import sampling
+from specjax import tree as tree_lib
 from specjax.config import ModelConfig
 from specjax.drafters.base import (Accepted, Context, Prefill, Proposal, chain_parents,
                                    check_shapes)
@@ -519,25 +520,50 @@ class DFlashDrafter:
         return self.target.lm_head(params["target"], out[:, 1:])
 
     def propose(self, params, state: DFlashState, ctx: Context, rng):
+        """One block pass; every proposal carries its nodes' path confidences (the product of
+        the block's marginals of each node's tokens along its path)."""
         roots = ctx.root
         b = roots.shape[0]
         logits = self.block_logits(params, state, roots)  # [B, Bk - 1, V]
-        if isinstance(self.policy, DDTree):
-            tokens, parents, _ = ddtree(jax.nn.log_softmax(logits, axis=-1), self.policy.n_nodes)
-            return Proposal(jnp.concatenate([roots[:, None], tokens], axis=1), parents,
-                            jnp.ones((b, self.n_nodes), bool)), state
+        logp = jax.nn.log_softmax(logits, axis=-1)
         n = self.n_nodes
+        if isinstance(self.policy, DDTree):
+            tokens, parents, depth = ddtree(logp, self.policy.n_nodes)
+            tokens = jnp.concatenate([roots[:, None], tokens], axis=1)
+            return Proposal(tokens, parents, jnp.ones((b, n), bool),
+                            confidence=path_confidence(logp, tokens, parents, depth)), state
+        chain = chain_parents(b, n)
+        depth = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (b, n))
         if isinstance(self.policy, BlockChain):
-            drafts = sampling.argmax(logits)
-            return Proposal(jnp.concatenate([roots[:, None], drafts], axis=1),
-                            chain_parents(b, n), jnp.ones((b, n), bool)), state
+            tokens = jnp.concatenate([roots[:, None], sampling.argmax(logits)], axis=1)
+            return Proposal(tokens, chain, jnp.ones((b, n), bool),
+                            confidence=path_confidence(logp, tokens, chain, depth)), state
         probs = jnp.exp(sampling.log_probs(logits, ctx.sp))  # [B, Bk - 1, V]
         u = jax.random.uniform(rng, (b, n - 1))
         drawn = jax.vmap(sampling.inverse_cdf_sample, in_axes=1, out_axes=1)(u, probs)
         drafts = jnp.where(ctx.sp.greedy[:, None], sampling.argmax(logits), drawn)
         q = jnp.concatenate([logits, jnp.zeros((b, 1, logits.shape[-1]), jnp.float32)], axis=1)
-        return Proposal(jnp.concatenate([roots[:, None], drafts], axis=1), chain_parents(b, n),
-                        jnp.ones((b, n), bool), q), state
+        tokens = jnp.concatenate([roots[:, None], drafts], axis=1)
+        return Proposal(tokens, chain, jnp.ones((b, n), bool), q,
+                        path_confidence(logp, tokens, chain, depth)), state
+
+
+def path_confidence(logp: jax.Array, tokens: jax.Array, parents: jax.Array,
+                    depth: jax.Array) -> jax.Array:
+    """[B, N] probability of each node's path under the block's marginals: the product over
+    the node and its ancestors (the root excluded) of ``exp(logp[depth - 1, token])``; the
+    root's is 1.
+
+    Args:
+      logp: [B, Dp, V] log-probabilities of depths 1..Dp.
+      tokens, parents, depth: [B, N] the proposal's nodes (root first).
+    """
+    b, dp, v = logp.shape
+    flat = jnp.maximum(depth - 1, 0) * v + tokens
+    own = jnp.take_along_axis(logp.reshape(b, dp * v), flat, axis=1)  # [B, N]
+    own = jnp.where(depth > 0, own, 0.0)
+    anc = tree_lib.ancestor_mask(parents).astype(jnp.float32)  # [B, N, N]
+    return jnp.exp(jnp.einsum("bij,bj->bi", anc, own))
 
 
 def drafter_params(own: dict, target_params: dict) -> dict:
