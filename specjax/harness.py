@@ -19,7 +19,10 @@ is chosen per batch from the rows' summed expected tokens.
 
 Costs are measured (``specjax calibrate``) into a :class:`CostTable` JSON, reused while the
 machine, model, dtype and batch stay the same; its :meth:`CostTable.budget` is what
-``decode.speculative_generate(budget=...)`` compiles in.
+``decode.speculative_generate(budget=...)`` compiles in. In that loop the bucket is chosen
+after drafting, so the draft time is paid whatever the choice: the budget counts it in every
+bucket, and a cycle that picks bucket 0 costs a plain step plus the drafting (deciding whether
+to draft at all, from the acceptance seen so far, is not done yet).
 """
 
 from __future__ import annotations
@@ -66,8 +69,11 @@ class CostTable:
         return np.asarray(self.verify_s) + np.asarray(self.draft_s)
 
     def budget(self) -> Budget:
-        """The static part the decoding loop compiles in: buckets and cycle costs."""
-        return Budget(self.buckets, tuple(float(c) for c in self.cycle_s))
+        """What the decoding loop compiles in: the buckets and their cycle costs as the loop
+        pays them. The loop's drafter drafts its whole proposal before the bucket is chosen,
+        so every bucket (a plain step's included) carries the largest bucket's draft time."""
+        sunk = float(self.draft_s[-1])
+        return Budget(self.buckets, tuple(float(v) + sunk for v in self.verify_s))
 
     def matches(self, key: dict) -> bool:
         """Whether this table was measured for ``key`` (every entry equal)."""

@@ -47,7 +47,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax import api, calibrate, metrics
+from specjax import api, calibrate, harness, metrics
 from specjax.drafters.draft_model import DraftModelDrafter
 from specjax.drafters.ngram import NgramDrafter
 from specjax.io.layout import without_row_weights
@@ -115,9 +115,9 @@ def prompt_sets(files: Sequence[str], templates: Sequence[str], n: int) -> dict[
 
 
 def _decode_seconds(cfg, params, batch, max_new_tokens, cache_size, drafter, dparams,
-                    temperature, width):
+                    temperature, width, budget=None):
     kw = dict(cache_size=cache_size, drafter=drafter, drafter_params=dparams,
-              temperature=temperature, prompt_width=width)
+              temperature=temperature, prompt_width=width, budget=budget)
     full = api.generate_tokens(cfg, params, batch, max_new_tokens=max_new_tokens, **kw)
     first = api.generate_tokens(cfg, params, batch, max_new_tokens=1, **kw)
     return max(full.run_s - first.run_s, 1e-9), full
@@ -181,13 +181,17 @@ def run_spec_benchmark(model, prompts: Sequence[str] | Mapping[str, Sequence[str
                        tree_nodes: Sequence[int] = (8, 16), dflash_dir=None,
                        blocks: Sequence[int] = (4, 8, 16), ddtree_nodes: Sequence[int] = (8, 16, 32),
                        temperature: float = 0.0, batch: int = 1, draft_sample: bool = False,
-                       log=print) -> dict:
+                       cost_aware: Sequence[int] = (), log=print) -> dict:
     """Runs both measurements (module docstring) and returns them as a dict.
 
     ``prompts`` is one list or named sets of them (``{"gsm8k": [...], "humaneval": [...]}``):
     every set runs through the same compiled configurations (one padded prompt width and cache
     for all) and gets its own table, its speedups measured against plain decoding on the same
-    set. Draft time per cycle is measured once per configuration, on the first batch."""
+    set. Draft time per cycle is measured once per configuration, on the first batch.
+
+    ``cost_aware`` buckets (e.g. ``(0, 4, 8, 16)``) add a cost-aware twin of every DFlash and
+    DDTree configuration (:mod:`specjax.harness`), its budget built from this run's verify
+    curve and the drafter's measured draft time."""
     cfg, params, tok = model.cfg, model.params, model.tokenizer
     cfg16 = cfg.replace(dtype="bfloat16")
     # As load(dtype="bfloat16") gives it: no one-row copies, a bf16 step runs two rows.
@@ -249,21 +253,35 @@ def run_spec_benchmark(model, prompts: Sequence[str] | Mapping[str, Sequence[str
     best = {name: [np.inf] * len(batches) for name in configs}
     outputs, taus = {}, {name: [None] * len(batches) for name in configs}
     hists = {name: [0] * len(batches) for name in configs}
+    widths = {name: [(0, 0)] * len(batches) for name in configs}  # (nodes verified, cycles)
+    budgets = {}
+    for name in [n for n in configs if n.startswith(("dflash", "ddtree")) and cost_aware]:
+        # The drafter drafts before the bucket is chosen, so its cost is in every bucket.
+        c, p, d, dp = configs[name]
+        costs = curves[c.dtype]
+        draft_s = calibrate.measure_draft_cost(c, p, d, dp, batches[0][1], cache_size,
+                                               temperature, width=width)
+        buckets = tuple(n for n in sorted(set(cost_aware)) if n <= d.n_nodes)
+        budgets[f"{name} cost-aware"] = harness.Budget(buckets, tuple(
+            (costs.fastest_plain_step if n == 0 else costs.at(n)) + draft_s for n in buckets))
+        configs[f"{name} cost-aware"] = configs[name]
     log(f"warming up (compiling {len(configs)} configurations) ...")
     for name, (c, p, d, dp) in configs.items():
         _decode_seconds(c, p, batches[0][1], max_new_tokens, cache_size, d, dp, temperature,
-                        width)
+                        width, budgets.get(name))
     for r in range(repeats):
         for i, (_, ids) in enumerate(batches):
             for name, (c, p, d, dp) in configs.items():
                 secs, res = _decode_seconds(c, p, ids, max_new_tokens, cache_size, d, dp,
-                                            temperature, width)
+                                            temperature, width, budgets.get(name))
                 best[name][i] = min(best[name][i], secs)
                 outputs[name, i] = res.tokens
                 if r == 0:
                     taus[name][i] = res.tau
                     if res.stats is not None:
                         hists[name][i] = np.asarray(res.stats.accept_hist).sum(0)
+                        widths[name][i] = (int(res.stats.verified.sum()),
+                                           int(res.stats.cycles.sum()))
         log(f"round {r + 1}/{repeats} done")
     draft = {name: None if d is None else
              1e3 * calibrate.measure_draft_cost(c, p, d, dp, batches[0][1], cache_size,
@@ -288,6 +306,8 @@ def run_spec_benchmark(model, prompts: Sequence[str] | Mapping[str, Sequence[str
                              speedup=plain / secs, speedup_vs_fastest=fastest_plain / secs,
                              efficiency=plain / secs / tau, mismatched_prompts=mismatches,
                              accept_by_position=accept, draft_ms=draft[name],
+                             nodes_per_cycle=(sum(widths[name][i][0] for i in idx)
+                                              / max(sum(widths[name][i][1] for i in idx), 1)),
                              per_prompt=[dict(tau=taus[name][i],
                                               speedup=best["plain f32"][i] / best[name][i])
                                          for i in idx]))
@@ -317,6 +337,9 @@ def _set_report(block: dict, result: dict, temperature: float) -> list[str]:
         if r.get("accept_by_position"):
             lines.append(f"  {r['name']:26s} " + " ".join(
                 f"{a:.2f}" for a in r["accept_by_position"]))
+    lines += ["", "verified nodes per cycle (the mean verify width, root included):",
+              "  " + "  ".join(f"{r['name']}: {r['nodes_per_cycle']:.1f}"
+                               for r in block["drafters"] if r.get("nodes_per_cycle"))]
     lines += ["", "per prompt (or batch), tau and speedup over plain f32 (the totals above add up "
               "times, so the prompt with the fewest accepted drafts weighs most):"]
     for r in block["drafters"]:
@@ -366,6 +389,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=1, help="prompts per generate call")
     parser.add_argument("--draft-sample", action="store_true",
                         help="at temperature > 0 also run DFlash chains drawn from the marginals")
+    parser.add_argument("--cost-aware", default=None,
+                        help="budget buckets (e.g. 0,4,8,16; 0 = a plain step): also run each "
+                             "DFlash / DDTree configuration with cost-aware budgets")
     parser.add_argument("--json", default=None, help="also write the result dict here")
     parser.add_argument("--dflash-layer-costs", default=None,
                         help="instead of the benchmark: draft time per cycle of random-weight "
@@ -397,7 +423,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         drafter_dir=args.drafter, tree_nodes=[int(n) for n in args.tree_nodes.split(",")],
         dflash_dir=args.dflash, blocks=[int(b) for b in args.blocks.split(",")],
         ddtree_nodes=[int(n) for n in args.ddtree_nodes.split(",")],
-        temperature=args.temperature, batch=args.batch, draft_sample=args.draft_sample)
+        temperature=args.temperature, batch=args.batch, draft_sample=args.draft_sample,
+        cost_aware=[int(n) for n in args.cost_aware.split(",")] if args.cost_aware else ())
     print(format_report(result))
     if args.json:
         import json

@@ -58,6 +58,8 @@ def test_cost_table_json_round_trip_and_errors():
     again = harness.CostTable.from_json(TABLE.to_json())
     assert again == TABLE and again.matches(dict(model="m")) and not again.matches(dict(batch=4))
     np.testing.assert_allclose(again.cycle_s, [0.05, 0.11, 0.15, 0.2])
+    # The loop drafts before it chooses: every bucket carries the full draft time (20 ms).
+    np.testing.assert_allclose(TABLE.budget().cycle_s, [0.07, 0.12, 0.16, 0.2])
     with pytest.raises(ValueError, match="not a cost table"):
         harness.CostTable.from_json('{"buckets": [0]}')
     with pytest.raises(ValueError, match="one of each per bucket"):
