@@ -250,10 +250,6 @@ def run_spec_benchmark(model, prompts: Sequence[str] | Mapping[str, Sequence[str
     widest = max([d.n_nodes for _, _, d, _ in configs.values() if d is not None] + [2])
     cache_size = api.round_up(max(longest + max_new_tokens + widest + 1, width),
                               api.CACHE_MULTIPLE)
-    best = {name: [np.inf] * len(batches) for name in configs}
-    outputs, taus = {}, {name: [None] * len(batches) for name in configs}
-    hists = {name: [0] * len(batches) for name in configs}
-    widths = {name: [(0, 0)] * len(batches) for name in configs}  # (nodes verified, cycles)
     budgets = {}
     for name in [n for n in configs if n.startswith(("dflash", "ddtree")) and cost_aware]:
         # The drafter drafts before the bucket is chosen, so its cost is in every bucket.
@@ -265,6 +261,10 @@ def run_spec_benchmark(model, prompts: Sequence[str] | Mapping[str, Sequence[str
         budgets[f"{name} cost-aware"] = harness.Budget(buckets, tuple(
             (costs.fastest_plain_step if n == 0 else costs.at(n)) + draft_s for n in buckets))
         configs[f"{name} cost-aware"] = configs[name]
+    best = {name: [np.inf] * len(batches) for name in configs}
+    outputs, taus = {}, {name: [None] * len(batches) for name in configs}
+    hists = {name: [0] * len(batches) for name in configs}
+    widths = {name: [(0, 0)] * len(batches) for name in configs}  # (nodes verified, cycles)
     log(f"warming up (compiling {len(configs)} configurations) ...")
     for name, (c, p, d, dp) in configs.items():
         _decode_seconds(c, p, batches[0][1], max_new_tokens, cache_size, d, dp, temperature,
