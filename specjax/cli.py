@@ -87,37 +87,51 @@ def shipped_drafter(model: str, method: str) -> Path:
     return path
 
 
-def _eagle_drafter(args, cfg, params):
+def _eagle_weights(args, cfg, params):
+    """(EAGLE config, drafter params) from --drafter or the shipped drafter of --method."""
     from specjax.drafters import eagle
     from specjax.io import official
-    from specjax.targets import DecoderTarget
-    from specjax.tree import StaticTree
 
     path = Path(args.drafter) if args.drafter else shipped_drafter(args.model, args.method)
     dcfg, own = official.load_eagle(path, cfg, dtype=cfg.dtype)
     if dcfg.version != int(args.method[-1]):
         raise ValueError(f"{path} holds an EAGLE-{dcfg.version} drafter, not {args.method}")
+    return dcfg, eagle.drafter_params(own, params)
+
+
+def _dflash_weights(args, cfg, params):
+    """(DFlash config, drafter params) from --drafter or the shipped DFlash drafter."""
+    from specjax.drafters import dflash
+    from specjax.io import official
+
+    path = Path(args.drafter) if args.drafter else shipped_drafter(args.model, "dflash")
+    dcfg, own = official.load_dflash(path, cfg, dtype=cfg.dtype)
+    return dcfg, dflash.drafter_params(own, params)
+
+
+def _eagle_drafter(args, cfg, params):
+    from specjax.drafters import eagle
+    from specjax.targets import DecoderTarget
+    from specjax.tree import StaticTree
+
+    dcfg, dp = _eagle_weights(args, cfg, params)
     policy = {"dynamic": lambda: eagle.DynamicTree(args.tree_nodes, args.tree_depth,
                                                    args.tree_top_k),
               "chain": lambda: StaticTree.chain(args.draft_len + 1),
               "sampled-chain": lambda: eagle.SampledChain(args.draft_len)}[args.tree]()
-    return (eagle.EagleDrafter(dcfg, DecoderTarget(cfg), policy),
-            eagle.drafter_params(own, params))
+    return eagle.EagleDrafter(dcfg, DecoderTarget(cfg), policy), dp
 
 
 def _dflash_drafter(args, cfg, params):
     from specjax.drafters import dflash
-    from specjax.io import official
     from specjax.targets import DecoderTarget
 
-    path = Path(args.drafter) if args.drafter else shipped_drafter(args.model, "dflash")
-    dcfg, own = official.load_dflash(path, cfg, dtype=cfg.dtype)
+    dcfg, dp = _dflash_weights(args, cfg, params)
     if args.method == "ddtree":
         policy = dflash.DDTree(args.tree_nodes)
     else:
         policy = dflash.SampledBlock() if args.draft_sample else dflash.BlockChain()
-    return (dflash.DFlashDrafter(dcfg, DecoderTarget(cfg), policy, args.block),
-            dflash.drafter_params(own, params))
+    return dflash.DFlashDrafter(dcfg, DecoderTarget(cfg), policy, args.block), dp
 
 
 def make_drafter(args, cfg, params):
@@ -156,19 +170,13 @@ def budget_drafter(args, cfg, params):
     tgt = DecoderTarget(cfg)
     if args.method in ("eagle3", "eagle1"):
         from specjax.drafters import eagle
-        from specjax.io import official
 
-        path = Path(args.drafter) if args.drafter else shipped_drafter(args.model, args.method)
-        dcfg, own = official.load_eagle(path, cfg, dtype=cfg.dtype)
-        dp = eagle.drafter_params(own, params)
+        dcfg, dp = _eagle_weights(args, cfg, params)
         return lambda n: (eagle.EagleDrafter(dcfg, tgt, eagle.DynamicTree(
             n, min(args.tree_depth, n - 1), args.tree_top_k)), dp)
     from specjax.drafters import dflash
-    from specjax.io import official
 
-    path = Path(args.drafter) if args.drafter else shipped_drafter(args.model, "dflash")
-    dcfg, own = official.load_dflash(path, cfg, dtype=cfg.dtype)
-    dp = dflash.drafter_params(own, params)
+    dcfg, dp = _dflash_weights(args, cfg, params)
     if args.method == "ddtree":
         return lambda n: (dflash.DFlashDrafter(dcfg, tgt, dflash.DDTree(n)), dp)
     return lambda n: (dflash.DFlashDrafter(dcfg, tgt, dflash.BlockChain(), n), dp)

@@ -47,17 +47,6 @@ TINY = ModelConfig(arch="qwen3", vocab_size=256, d_model=64, n_layers=2, n_heads
                    head_dim=32, d_ff=96, dtype="bfloat16")
 
 
-def _time(fn: Callable, *args, reps: int = 20) -> float:
-    """Median seconds of ``fn(*args)`` over ``reps`` calls, after one warm-up call."""
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times))
-
-
 def _max_diff(a, b) -> float:
     return float(jnp.max(jnp.abs(jnp.asarray(a, jnp.float32) - jnp.asarray(b, jnp.float32))))
 
@@ -88,7 +77,8 @@ def tree_attention_rows(cfg: ModelConfig, contexts: Sequence[int], nodes: Sequen
             want = ta.tree_attention_reference(*(x.astype(jnp.float32) if x.dtype == dt else x
                                                  for x in args))
             err = _max_diff(kernel(*args), want)
-            t_kernel, t_dense = _time(kernel, *args), _time(dense, *args)
+            t_kernel = _timed_fresh(kernel, lambda: args)
+            t_dense = _timed_fresh(dense, lambda: args)
             read = 2 * c * ctx * h * jnp.dtype(dt).itemsize  # the committed keys and values
             row = dict(context=ctx, nodes=n, max_diff=err, kernel_us=t_kernel * 1e6,
                        xla_us=t_dense * 1e6, speedup=t_dense / t_kernel,
@@ -139,7 +129,8 @@ def kv_injection_rows(cfg: ModelConfig, n_layers: int, *, batches: Sequence[int]
 
 
 def _timed_fresh(fn: Callable, make_args: Callable, reps: int = 20) -> float:
-    """Median seconds of ``fn`` on freshly made (donatable) arguments, their making untimed."""
+    """Median seconds of ``fn`` on arguments from ``make_args`` (fresh ones where ``fn``
+    donates them), their making untimed, after one warm-up call."""
     jax.block_until_ready(fn(*make_args()))
     times = []
     for _ in range(reps):

@@ -187,7 +187,8 @@ def run_spec_benchmark(model, prompts: Sequence[str] | Mapping[str, Sequence[str
     ``prompts`` is one list or named sets of them (``{"gsm8k": [...], "humaneval": [...]}``):
     every set runs through the same compiled configurations (one padded prompt width and cache
     for all) and gets its own table, its speedups measured against plain decoding on the same
-    set. Draft time per cycle is measured once per configuration, on the first batch.
+    set. Draft time per cycle is measured once per drafter, on the first batch, before the
+    timed rounds.
 
     ``cost_aware`` buckets (e.g. ``(0, 4, 8, 16)``) add a cost-aware twin of every DFlash and
     DDTree configuration (:mod:`specjax.harness`), its budget built from this run's verify
@@ -250,17 +251,21 @@ def run_spec_benchmark(model, prompts: Sequence[str] | Mapping[str, Sequence[str
     widest = max([d.n_nodes for _, _, d, _ in configs.values() if d is not None] + [2])
     cache_size = api.round_up(max(longest + max_new_tokens + widest + 1, width),
                               api.CACHE_MULTIPLE)
+    draft = {name: None if d is None else  # ms per cycle
+             1e3 * calibrate.measure_draft_cost(c, p, d, dp, batches[0][1], cache_size,
+                                                  temperature, width=width)
+             for name, (c, p, d, dp) in configs.items()}
     budgets = {}
     for name in [n for n in configs if n.startswith(("dflash", "ddtree")) and cost_aware]:
         # The drafter drafts before the bucket is chosen, so its cost is in every bucket.
         c, p, d, dp = configs[name]
         costs = curves[c.dtype]
-        draft_s = calibrate.measure_draft_cost(c, p, d, dp, batches[0][1], cache_size,
-                                               temperature, width=width)
         buckets = tuple(n for n in sorted(set(cost_aware)) if n <= d.n_nodes)
-        budgets[f"{name} cost-aware"] = harness.Budget(buckets, tuple(
-            (costs.fastest_plain_step if n == 0 else costs.at(n)) + draft_s for n in buckets))
-        configs[f"{name} cost-aware"] = configs[name]
+        twin = f"{name} cost-aware"
+        budgets[twin] = harness.Budget(buckets, tuple(
+            (costs.fastest_plain_step if n == 0 else costs.at(n)) + draft[name] / 1e3
+            for n in buckets))
+        configs[twin], draft[twin] = configs[name], draft[name]
     best = {name: [np.inf] * len(batches) for name in configs}
     outputs, taus = {}, {name: [None] * len(batches) for name in configs}
     hists = {name: [0] * len(batches) for name in configs}
@@ -283,10 +288,6 @@ def run_spec_benchmark(model, prompts: Sequence[str] | Mapping[str, Sequence[str
                         widths[name][i] = (int(res.stats.verified.sum()),
                                            int(res.stats.cycles.sum()))
         log(f"round {r + 1}/{repeats} done")
-    draft = {name: None if d is None else
-             1e3 * calibrate.measure_draft_cost(c, p, d, dp, batches[0][1], cache_size,
-                                                  temperature, width=width)
-             for name, (c, p, d, dp) in configs.items()}
     sets = []
     for set_name, ids in encoded.items():
         idx = [i for i, (n, _) in enumerate(batches) if n == set_name]

@@ -175,16 +175,19 @@ def _reference_ddtree(logp, budget):
 def test_ddtree_matches_the_reference_heap(depths, vocab, n_nodes):
     rng = np.random.default_rng(depths * 100 + vocab)
     logp = np.log(rng.dirichlet(np.full(vocab, 0.3), size=(2, depths))).astype(np.float32)
-    tokens, parents, depth = dflash.ddtree(jnp.asarray(logp), n_nodes)
+    tokens, parents, depth, score = dflash.ddtree(jnp.asarray(logp), n_nodes)
     for row in range(2):
         want_tokens, want_parents = _reference_ddtree(logp[row].astype(np.float64), n_nodes - 1)
         assert np.asarray(tokens[row]).tolist() == want_tokens
         assert np.asarray(parents[row]).tolist() == want_parents
         par = want_parents
         want_depth = [0] * n_nodes
+        want_score = [0.0] * n_nodes  # each node's path log-probability
         for i in range(1, n_nodes):
             want_depth[i] = want_depth[par[i]] + 1
+            want_score[i] = want_score[par[i]] + logp[row, want_depth[i] - 1, want_tokens[i - 1]]
         assert np.asarray(depth[row]).tolist() == want_depth
+        np.testing.assert_allclose(score[row], want_score, rtol=1e-5, atol=1e-5)
 
 
 # ------------------------------------------------------------------------------------------

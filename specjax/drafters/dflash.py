@@ -53,7 +53,6 @@ import jax
 import jax.numpy as jnp
 
 from specjax import sampling
-from specjax import tree as tree_lib
 from specjax.config import ModelConfig
 from specjax.drafters.base import (Accepted, Context, Prefill, Proposal, chain_parents,
                                    check_shapes)
@@ -342,7 +341,7 @@ class DDTree:
                              f"n_nodes={self.n_nodes}")
 
 
-def ddtree(logp: jax.Array, n_nodes: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+def ddtree(logp: jax.Array, n_nodes: int) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """DDTree's best-first construction over per-depth log-probabilities, at static shapes.
 
     A path's score is the sum of its tokens' log-probabilities at their depths. Starting from
@@ -355,8 +354,9 @@ def ddtree(logp: jax.Array, n_nodes: int) -> tuple[jax.Array, jax.Array, jax.Arr
       logp: [B, Dp, V] log-probabilities of depths 1..Dp.
       n_nodes: N, the tree's size with the root.
     Returns:
-      ``(tokens [B, N - 1], parents [B, N], depth [B, N])``: the nodes in emission order, each
-      node's parent (0 = the root; ``parents[:, 0] = -1``) and depth (the root's is 0).
+      ``(tokens [B, N - 1], parents [B, N], depth [B, N], score [B, N])``: the nodes in
+      emission order, each node's parent (0 = the root; ``parents[:, 0] = -1``), depth (the
+      root's is 0) and path score (the root's is 0).
     """
     b, dp, v = logp.shape
     kt = min(n_nodes - 1, v)
@@ -372,13 +372,14 @@ def ddtree(logp: jax.Array, n_nodes: int) -> tuple[jax.Array, jax.Array, jax.Arr
         rank = jnp.zeros((n_front,), jnp.int32)
         parent = jnp.zeros((n_front,), jnp.int32)
         out = (jnp.zeros((n_nodes - 1,), jnp.int32), jnp.zeros((n_nodes - 1,), jnp.int32),
-               jnp.zeros((n_nodes - 1,), jnp.int32))
+               jnp.zeros((n_nodes - 1,), jnp.int32), jnp.zeros((n_nodes - 1,), jnp.float32))
 
         def body(i, carry):  # emits node i + 1
-            (score, depth, rank, parent), (tok, par, dep) = carry
+            (score, depth, rank, parent), (tok, par, dep, sc) = carry
             j = jnp.argmax(score)
             d, r, s = depth[j], rank[j], score[j]
             tok, par, dep = tok.at[i].set(ids[d - 1, r]), par.at[i].set(parent[j]), dep.at[i].set(d)
+            sc = sc.at[i].set(s)
             # The sibling takes the emitted entry's slot; the child a fresh one (slot i + 1).
             has_sib = r + 1 < kt
             sib_score = s - lp[d - 1, r] + lp[d - 1, jnp.minimum(r + 1, kt - 1)]
@@ -390,16 +391,16 @@ def ddtree(logp: jax.Array, n_nodes: int) -> tuple[jax.Array, jax.Array, jax.Arr
             depth = depth.at[i + 1].set(d + 1)
             rank = rank.at[i + 1].set(0)
             parent = parent.at[i + 1].set(i + 1)
-            return (score, depth, rank, parent), (tok, par, dep)
+            return (score, depth, rank, parent), (tok, par, dep, sc)
 
-        _, (tok, par, dep) = jax.lax.fori_loop(0, n_nodes - 1, body,
-                                               ((score, depth, rank, parent), out))
-        return tok, par, dep
+        _, emitted = jax.lax.fori_loop(0, n_nodes - 1, body, ((score, depth, rank, parent), out))
+        return emitted
 
-    tok, par, dep = jax.vmap(one)(top_lp, top_ids)
+    tok, par, dep, sc = jax.vmap(one)(top_lp, top_ids)
     root = jnp.zeros((b, 1), jnp.int32)
     return (tok, jnp.concatenate([root - 1, par], axis=1),
-            jnp.concatenate([root, dep], axis=1))
+            jnp.concatenate([root, dep], axis=1),
+            jnp.concatenate([root.astype(jnp.float32), sc], axis=1))
 
 
 # ----------------------------------------------------------------------------------------
@@ -528,42 +529,34 @@ class DFlashDrafter:
         logp = jax.nn.log_softmax(logits, axis=-1)
         n = self.n_nodes
         if isinstance(self.policy, DDTree):
-            tokens, parents, depth = ddtree(logp, self.policy.n_nodes)
-            tokens = jnp.concatenate([roots[:, None], tokens], axis=1)
-            return Proposal(tokens, parents, jnp.ones((b, n), bool),
-                            confidence=path_confidence(logp, tokens, parents, depth)), state
+            tokens, parents, _, score = ddtree(logp, self.policy.n_nodes)
+            return Proposal(jnp.concatenate([roots[:, None], tokens], axis=1), parents,
+                            jnp.ones((b, n), bool), confidence=jnp.exp(score)), state
         chain = chain_parents(b, n)
-        depth = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (b, n))
         if isinstance(self.policy, BlockChain):
-            tokens = jnp.concatenate([roots[:, None], sampling.argmax(logits)], axis=1)
-            return Proposal(tokens, chain, jnp.ones((b, n), bool),
-                            confidence=path_confidence(logp, tokens, chain, depth)), state
+            drafts = sampling.argmax(logits)
+            return Proposal(jnp.concatenate([roots[:, None], drafts], axis=1), chain,
+                            jnp.ones((b, n), bool),
+                            confidence=chain_confidence(logp, drafts)), state
         probs = jnp.exp(sampling.log_probs(logits, ctx.sp))  # [B, Bk - 1, V]
         u = jax.random.uniform(rng, (b, n - 1))
         drawn = jax.vmap(sampling.inverse_cdf_sample, in_axes=1, out_axes=1)(u, probs)
         drafts = jnp.where(ctx.sp.greedy[:, None], sampling.argmax(logits), drawn)
         q = jnp.concatenate([logits, jnp.zeros((b, 1, logits.shape[-1]), jnp.float32)], axis=1)
-        tokens = jnp.concatenate([roots[:, None], drafts], axis=1)
-        return Proposal(tokens, chain, jnp.ones((b, n), bool), q,
-                        path_confidence(logp, tokens, chain, depth)), state
+        return Proposal(jnp.concatenate([roots[:, None], drafts], axis=1), chain,
+                        jnp.ones((b, n), bool), q, chain_confidence(logp, drafts)), state
 
 
-def path_confidence(logp: jax.Array, tokens: jax.Array, parents: jax.Array,
-                    depth: jax.Array) -> jax.Array:
-    """[B, N] probability of each node's path under the block's marginals: the product over
-    the node and its ancestors (the root excluded) of ``exp(logp[depth - 1, token])``; the
-    root's is 1.
+def chain_confidence(logp: jax.Array, drafts: jax.Array) -> jax.Array:
+    """[B, N] probability of each prefix of a block chain under the block's marginals: the
+    running product of ``exp(logp[k, drafts[k]])``, 1 for the root.
 
     Args:
-      logp: [B, Dp, V] log-probabilities of depths 1..Dp.
-      tokens, parents, depth: [B, N] the proposal's nodes (root first).
+      logp: [B, N - 1, V] log-probabilities of positions 1..N-1.
+      drafts: [B, N - 1] the chain's tokens after the root.
     """
-    b, dp, v = logp.shape
-    flat = jnp.maximum(depth - 1, 0) * v + tokens
-    own = jnp.take_along_axis(logp.reshape(b, dp * v), flat, axis=1)  # [B, N]
-    own = jnp.where(depth > 0, own, 0.0)
-    anc = tree_lib.ancestor_mask(parents).astype(jnp.float32)  # [B, N, N]
-    return jnp.exp(jnp.einsum("bij,bj->bi", anc, own))
+    own = jnp.take_along_axis(logp, drafts[..., None], axis=-1)[..., 0]  # [B, N - 1]
+    return jnp.exp(jnp.pad(jnp.cumsum(own, axis=1), ((0, 0), (1, 0))))
 
 
 def drafter_params(own: dict, target_params: dict) -> dict:
