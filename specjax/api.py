@@ -73,6 +73,8 @@ class GenerateResult:
       run_s: seconds of the generation call itself (prefill + decode).
       stats: for speculative decoding, per-row :class:`specjax.decode.SpecStats` as NumPy
         arrays; None for plain decoding.
+      peak_bytes: XLA's peak memory estimate of the compiled call (weights, cache and
+        temporaries), or None where the backend gives none.
     """
 
     tokens: list[list[int]]
@@ -80,6 +82,7 @@ class GenerateResult:
     compile_s: float
     run_s: float
     stats: decode.SpecStats | None = None
+    peak_bytes: int | None = None
 
     @property
     def tau(self) -> float:
@@ -188,6 +191,8 @@ def generate_tokens(
     run_s = time.perf_counter() - t0
     stats = None if drafter is None else jax.device_get(out.stats)
     toks, n, stopped = jax.device_get((out.tokens, out.n_generated, out.stopped))
+    memory = exe.memory_analysis()
+    peak = getattr(memory, "peak_memory_in_bytes", None) if memory is not None else None
     return GenerateResult(tokens=[toks[i, : n[i]].tolist() for i in range(len(prompts))],
                           stopped=[bool(s) for s in stopped], compile_s=compile_s, run_s=run_s,
-                          stats=stats)
+                          stats=stats, peak_bytes=peak)

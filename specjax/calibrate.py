@@ -15,8 +15,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
+import json
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -24,6 +27,7 @@ import numpy as np
 
 from specjax import sampling
 from specjax.config import ModelConfig
+from specjax.io import gguf
 from specjax.models import cache as cache_lib
 from specjax.models import target
 from specjax.tree import StaticTree
@@ -194,3 +198,70 @@ def measure_cost_table(cfg: ModelConfig, params: dict, buckets: Sequence[int], d
     full_key = dict(key or {}, device=jax.devices()[0].device_kind, dtype=cfg.dtype,
                     batch=batch, context=context)
     return harness.CostTable(buckets, tuple(verify), tuple(draft), full_key)
+
+
+def budget_buckets(n_nodes: int) -> tuple[int, ...]:
+    """The buckets a drafter of ``n_nodes`` nodes is verified at under a cost-aware budget:
+    a plain step, the powers of two below ``n_nodes`` from 2, and the whole proposal."""
+    return (0,) + tuple(n for n in (2, 4, 8, 16, 32, 64) if n < n_nodes) + (n_nodes,)
+
+
+def cost_context(prompt_tokens: int, max_new_tokens: int) -> int:
+    """The context a generation's cost table is measured at: its mid-generation length rounded
+    up to a power of two (at least 256), so nearby requests share one table."""
+    need = prompt_tokens + max_new_tokens // 2
+    return max(256, 1 << (need - 1).bit_length())
+
+
+def drafter_cost_table(cfg: ModelConfig, params: dict, drafter, dparams, *, batch: int,
+                       context: int, key: dict, path: Path | None = None, progress=None,
+                       verify_costs: VerifyCosts | None = None):
+    """The cost table of ``drafter`` as it stands (sized once; the loop verifies the first
+    ``budget_buckets(drafter.n_nodes)`` of its nodes), read from ``path`` when that file was
+    measured for the same key, else measured and written there.
+
+    Args:
+      key: what the table is for beyond the machine (model name, method and drafter shape);
+        the device kind, dtype, batch, context and buckets are added.
+      path: the JSON file (default: ``costs/`` under specjax's cache root,
+        :func:`specjax.io.gguf.cache_dir`, named by the key's hash).
+      progress: optional callable ``(stage, n, seconds)`` after each measurement; with a
+        table read from disk it is never called.
+      verify_costs: a verify curve already measured at this batch and context (interpolated
+        between its points); None measures one at the buckets.
+    Returns:
+      ``(table, measured)``: a :class:`specjax.harness.CostTable` and whether it was measured
+      now.
+    """
+    from specjax import harness
+
+    buckets = budget_buckets(drafter.n_nodes)
+    full_key = dict(key, device=jax.devices()[0].device_kind, dtype=cfg.dtype, batch=batch,
+                    context=context, buckets=list(buckets))
+    if path is None:
+        digest = hashlib.sha256(json.dumps(full_key, sort_keys=True).encode()).hexdigest()[:16]
+        path = gguf.cache_dir() / "costs" / f"{digest}.json"
+    if path.exists():
+        try:
+            table = harness.CostTable.from_json(path.read_text())
+        except ValueError:
+            table = None  # unreadable: measured again and rewritten
+        if table is not None and table.matches(full_key):
+            return table, False
+    report = progress or (lambda *a: None)
+    costs = verify_costs or measure_verify_costs(
+        cfg, params, sorted({1, *(n for n in buckets if n)}), context=context, batch=batch,
+        progress=lambda n, s: report("verify", n, s))
+    rng = np.random.default_rng(0)
+    prompts = rng.integers(0, cfg.vocab_size, (batch, context)).tolist()
+    slots = -(-(context + 2 * drafter.n_nodes + 2) // 64) * 64  # room for a cycle
+    draft = measure_draft_cost(cfg, params, drafter, dparams, prompts, slots, width=context)
+    report("draft", drafter.n_nodes, draft)
+    table = harness.CostTable(
+        buckets, tuple(costs.fastest_plain_step if n == 0 else costs.at(n) for n in buckets),
+        tuple(0.0 if n == 0 else draft for n in buckets), full_key)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(table.to_json())
+    tmp.replace(path)
+    return table, True

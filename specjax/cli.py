@@ -72,25 +72,23 @@ def _add_generate(sub):
                       help="DFlash chain at temperature > 0: draw each position from the "
                            "drafter's processed marginal and verify with it as q, instead of "
                            "proposing the argmax")
+    spec.add_argument("--fixed-budget", action="store_true",
+                      help="verify every drafted node each cycle, instead of the cost-aware "
+                           "harness (which, by default, verifies only as many nodes as the "
+                           "drafter's confidences say pay on this machine, and stops drafting "
+                           "while drafting does not pay)")
+    spec.add_argument("--cost-table", default=None, metavar="PATH",
+                      help="the cost-aware harness's cost table (JSON): read if it matches, "
+                           "else measured and written there (default: one measured on first "
+                           "use and kept under $SPECJAX_CACHE_DIR or ~/.cache/specjax)")
     p.set_defaults(func=_generate)
-
-
-SHIPPED = Path(__file__).resolve().parent.parent / "checkpoints"
-
-
-def shipped_drafter(model: str, method: str) -> Path:
-    """The drafter shipped in ``checkpoints/`` for a known model name and method."""
-    path = SHIPPED / f"{model}-{method}"
-    if not (path / "config.json").exists():
-        raise ValueError(f"no {method} drafter is shipped for {model!r} (looked in {path}); "
-                         f"train one with 'specjax train {method}' and pass --drafter DIR")
-    return path
 
 
 def _eagle_weights(args, cfg, params):
     """(EAGLE config, drafter params) from --drafter or the shipped drafter of --method."""
     from specjax.drafters import eagle
     from specjax.io import official
+    from specjax.io.models import shipped_drafter
 
     path = Path(args.drafter) if args.drafter else shipped_drafter(args.model, args.method)
     dcfg, own = official.load_eagle(path, cfg, dtype=cfg.dtype)
@@ -103,6 +101,7 @@ def _dflash_weights(args, cfg, params):
     """(DFlash config, drafter params) from --drafter or the shipped DFlash drafter."""
     from specjax.drafters import dflash
     from specjax.io import official
+    from specjax.io.models import shipped_drafter
 
     path = Path(args.drafter) if args.drafter else shipped_drafter(args.model, "dflash")
     dcfg, own = official.load_dflash(path, cfg, dtype=cfg.dtype)
@@ -289,11 +288,15 @@ def _generate(args) -> int:
             messages.append({"role": "user", "content": prompt})
             ids.append(tok.encode_chat(messages))
     drafter, drafter_params = make_drafter(args, model.cfg, model.params)
+    budget = None
+    if drafter is not None and not args.fixed_budget:
+        budget = _cost_aware_budget(args, model, drafter, drafter_params,
+                                    max(map(len, ids)), len(ids))
     result = api.generate_tokens(
         model.cfg, model.params, ids, max_new_tokens=args.max_new_tokens,
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
         stop_tokens=tok.eos_ids, cache_size=args.cache_size, drafter=drafter,
-        drafter_params=drafter_params)
+        drafter_params=drafter_params, budget=budget)
     for i, out in enumerate(result.tokens):
         body = out[:-1] if result.stopped[i] else out
         if len(ids) > 1:
@@ -305,8 +308,43 @@ def _generate(args) -> int:
     if result.stats is not None:
         st = result.stats
         print(f"[{args.method}: {int(st.cycles.sum())} verify cycles, tau = {result.tau:.2f} "
-              f"tokens/cycle, {int(st.fallbacks.sum())} fallbacks]", file=sys.stderr)
+              f"tokens/cycle, {int(st.fallbacks.sum())} fallbacks"
+              + ("" if budget is None else
+                 f"; cost-aware: drafted in {int(st.drafted.sum())} cycles, "
+                 f"{st.verified.sum() / max(int(st.cycles.sum()), 1):.1f} nodes verified per "
+                 "cycle") + "]", file=sys.stderr)
     return 0
+
+
+def _cost_aware_budget(args, model, drafter, drafter_params, prompt_tokens: int, batch: int):
+    """The harness's budget for this request: the cost table of ``drafter`` at this batch and
+    context (cached, or measured now with a progress bar)."""
+    from tqdm import tqdm
+
+    from specjax import calibrate
+
+    context = calibrate.cost_context(prompt_tokens, args.max_new_tokens)
+    key = dict(model=args.model, method=args.method, drafter=repr(drafter))
+    path = Path(args.cost_table) if args.cost_table else None
+    buckets = calibrate.budget_buckets(drafter.n_nodes)
+    bar = None
+
+    def progress(stage, n, seconds):
+        nonlocal bar
+        if bar is None:
+            bar = tqdm(total=len({1, *buckets[1:]}) + 1, unit="point",
+                       desc="measuring costs (once per machine and setting)", file=sys.stderr)
+        bar.set_postfix_str(f"{stage} N={n}: {seconds * 1e3:.1f} ms")
+        bar.update()
+
+    table, measured = calibrate.drafter_cost_table(
+        model.cfg, model.params, drafter, drafter_params, batch=batch, context=context,
+        key=key, path=path, progress=progress)
+    if bar is not None:
+        bar.close()
+    if measured:
+        print(format_cost_table(table), file=sys.stderr)
+    return table.budget()
 
 
 def _task_range(text: str) -> tuple[int, int]:
@@ -644,6 +682,128 @@ def _train_done(args, result) -> int:
     return 128 + result.signal if result.signal else 0
 
 
+QUICK = dict(methods="plain,ngram,dflash", per_set=1, temperatures="0", batch_sizes="1",
+             max_new_tokens=64, repeats=1)
+
+
+def _add_bench(sub):
+    p = sub.add_parser(
+        "bench",
+        help="benchmark decoding methods on prompt sets (speedup over plain, tau, latency)",
+        description="Run decoding methods x prompt sets x temperatures x batch sizes on this "
+                    "machine, plain decoding measured beside each: time to first token, time "
+                    "per output token p50/p95/p99, tokens/s and speedup, tau and acceptance by "
+                    "position, draft/verify/other time per cycle, peak memory. Writes "
+                    "records.jsonl, table.md and bench.png to --out and prints the table. "
+                    "Prompts: the built-in suite (code, math, chat, long-context "
+                    "summarization and retrieval) unless --prompts is given.",
+    )
+    p.add_argument("--quick", action="store_true",
+                   help="the built-in default for a first look (a few minutes on 2 cores): "
+                        "plain, n-gram and the shipped DFlash drafter, fixed and cost-aware, "
+                        "one prompt per set, T=0, batch 1, 64 new tokens")
+    p.add_argument("--model", default="smollm2-135m",
+                   help="a known model name, an HF checkpoint directory, or a .gguf file "
+                        "(default: %(default)s)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    p.add_argument("--methods", default="plain,ngram,draft-model,eagle3,dflash,ddtree",
+                   help="comma-separated: plain, ngram, draft-model, eagle3, eagle1, dflash, "
+                        "ddtree (default: %(default)s; EAGLE and DFlash use the shipped "
+                        "drafters unless --eagle-drafter/--dflash-drafter)")
+    p.add_argument("--harness", choices=("both", "fixed", "harness"), default="both",
+                   help="each drafter at its fixed budget, under the cost-aware harness, or "
+                        "both (default: %(default)s)")
+    p.add_argument("--prompts", action="append", default=None, metavar="FILE",
+                   help="a JSONL prompt file in the MT-Bench question format ('turns' and "
+                        "'category'); repeatable; replaces the built-in suite")
+    p.add_argument("--sets", default=None,
+                   help="comma-separated prompt sets (categories) to run (default: all)")
+    p.add_argument("--per-set", type=int, default=None,
+                   help="prompts per set (category) at most (default: all)")
+    p.add_argument("--temperatures", default="0", help="comma-separated (default: %(default)s)")
+    p.add_argument("--batch-sizes", default="1", help="comma-separated (default: %(default)s)")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="(default: %(default)s)")
+    p.add_argument("--repeats", type=int, default=2,
+                   help="timed runs per request, the fastest kept (default: %(default)s)")
+    p.add_argument("--draft-len", type=int, default=4,
+                   help="n-gram and draft-model chain length (default: %(default)s)")
+    p.add_argument("--draft-layers", type=int, default=4,
+                   help="draft-model: target layers kept (default: %(default)s)")
+    p.add_argument("--tree-nodes", type=int, default=16,
+                   help="EAGLE dynamic tree and DDTree size (default: %(default)s)")
+    p.add_argument("--block", type=int, default=None,
+                   help="DFlash chain block (default: the drafter's trained one)")
+    p.add_argument("--eagle-drafter", default=None, help="EAGLE drafter directory")
+    p.add_argument("--dflash-drafter", default=None, help="DFlash drafter directory")
+    p.add_argument("--out", default="bench_out/bench", help="output directory (default: %(default)s)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=_bench)
+
+
+def _bench(args) -> int:
+    from tqdm import tqdm
+
+    from specjax import report, suite, sweep
+    from specjax.io.models import load
+
+    if args.quick:
+        for k, v in QUICK.items():
+            setattr(args, k, v)
+    model = load(args.model, dtype=args.dtype)
+    if model.tokenizer is None:
+        raise ValueError(f"{args.model} has no tokenizer files; specjax bench needs text prompts")
+    if args.prompts:
+        sets = {}
+        for f in args.prompts:
+            sets |= suite.mt_bench_file(f, args.per_set)
+    else:
+        sets = suite.builtin(args.per_set)
+    if args.sets:
+        want = [x.strip() for x in args.sets.split(",")]
+        missing = [x for x in want if x not in sets]
+        if missing:
+            raise ValueError(f"no prompt set {missing[0]!r}; the prompts have {sorted(sets)}")
+        sets = {x: sets[x] for x in want}
+    methods = []
+    for name in args.methods.split(","):
+        try:
+            methods += sweep.methods(
+                model, [name.strip()], model_name=args.model, cost_aware=args.harness,
+                draft_len=args.draft_len, draft_layers=args.draft_layers,
+                tree_nodes=args.tree_nodes, block=args.block, eagle_dir=args.eagle_drafter,
+                dflash_dir=args.dflash_drafter)
+        except ValueError as e:
+            if not args.quick:
+                raise
+            print(f"skipping {name}: {e}", file=sys.stderr)
+    temps = [float(t) for t in args.temperatures.split(",")]
+    batches = [int(b) for b in args.batch_sizes.split(",")]
+    n_methods = len(methods) + (not any(m.drafter is None for m in methods))
+    cells = n_methods * len(sets) * len(temps) * len(batches)
+    with tqdm(total=cells, unit="cell", desc="bench", disable=args.no_progress,
+              file=sys.stderr) as bar:
+        def progress(cell):
+            bar.set_postfix_str(cell)
+            bar.update()
+
+        records = sweep.run(model, sets, methods, temperatures=temps, batches=batches,
+                            max_new_tokens=args.max_new_tokens, repeats=args.repeats,
+                            model_name=args.model, progress=progress)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    report.write_jsonl(records, out / "records.jsonl")
+    table = report.markdown(records)
+    (out / "table.md").write_text(table + "\n\n" + report.summary(records) + "\n")
+    report.plot(records, out / "bench.png")
+    print(f"specjax {' '.join(args.argv)}\n")
+    print(table)
+    print()
+    print(report.summary(records))
+    print(f"\n[{len(records)} cells; records.jsonl, table.md and bench.png in {out}]",
+          file=sys.stderr)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="specjax",
@@ -652,6 +812,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_generate(sub)
     _add_calibrate(sub)
+    _add_bench(sub)
     _add_data(sub)
     _add_train(sub)
     return parser
@@ -659,6 +820,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.argv = sys.argv[1:] if argv is None else list(argv)
     try:
         return args.func(args)
     except (ValueError, FileNotFoundError, ModuleNotFoundError) as e:

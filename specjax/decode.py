@@ -23,7 +23,7 @@ from specjax import harness, sampling
 from specjax import tree as tree_lib
 from specjax import verify as verify_lib
 from specjax import targets as targets_lib
-from specjax.drafters.base import Accepted, Context, Prefill, Proposal
+from specjax.drafters.base import Accepted, Context, Prefill, Proposal, chain_parents
 
 
 @jax.tree_util.register_dataclass
@@ -181,6 +181,8 @@ class SpecStats:
         out-of-range tokens) and ran as plain decoding instead.
       verified: [B] int32 nodes of the verify passes the row took part in (the pass widths,
         root included): ``verified / cycles`` is the mean verify budget.
+      drafted: [B] int32 cycles in which the drafter drafted (the others, under a cost-aware
+        budget's gate, were plain steps).
     """
 
     cycles: jax.Array
@@ -188,6 +190,7 @@ class SpecStats:
     accept_hist: jax.Array
     fallbacks: jax.Array
     verified: jax.Array
+    drafted: jax.Array
 
 
 @jax.tree_util.register_dataclass
@@ -208,6 +211,7 @@ class SpecState:
       rng: the base PRNG key; cycle c uses ``fold_in(rng, c)``.
       cycle: scalar int32 cycles run.
       stats: :class:`SpecStats`.
+      gate: the cost-aware draft gate (:class:`specjax.harness.Gate`), or None.
     """
 
     seq: jax.Array
@@ -220,6 +224,7 @@ class SpecState:
     rng: jax.Array
     cycle: jax.Array
     stats: SpecStats
+    gate: object = None
 
 
 @jax.tree_util.register_dataclass
@@ -241,6 +246,19 @@ def _usable(proposal: Proposal, vocab_size: int) -> jax.Array:
         bad = jnp.isnan(proposal.draft_logits) | (proposal.draft_logits == jnp.inf)
         ok &= ~jnp.any(bad & valid[..., None], axis=(1, 2))
     return ok
+
+
+def _no_proposal(proposal_shape, root: jax.Array) -> Proposal:
+    """A proposal of ``proposal_shape``'s structure holding only the root (a plain step):
+    chain parents, every other node invalid, zero draft scores, confidence 1 at the root."""
+    b, n = proposal_shape.tokens.shape
+    zeros = lambda x: None if x is None else jnp.zeros(x.shape, x.dtype)
+    only_root = jnp.broadcast_to(jnp.arange(n)[None, :] == 0, (b, n))
+    conf = proposal_shape.confidence
+    return Proposal(tokens=jnp.zeros((b, n), jnp.int32).at[:, 0].set(root),
+                    parents=chain_parents(b, n), node_valid=only_root,
+                    draft_logits=zeros(proposal_shape.draft_logits),
+                    confidence=None if conf is None else only_root.astype(conf.dtype))
 
 
 def cycle_keys(rng: jax.Array, cycle: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -314,7 +332,9 @@ def speculative_generate(
         plain step), k chosen from the proposal's ``confidence`` by
         :func:`specjax.harness.choose_bucket` (one compiled pass per distinct width, under a
         ``lax.switch``); None verifies every node. Needs a target with ``forward_fresh`` and
-        a drafter that reports confidences.
+        a drafter that reports confidences. A gated budget (``Budget.gated``) also decides
+        before each cycle whether to draft at all (:class:`specjax.harness.Gate`), for
+        drafters that offer ``skip``.
     Returns:
       A :class:`SpecGeneration`.
     Raises:
@@ -338,7 +358,7 @@ def speculative_generate(
         dstate=dstate, rng=rng, cycle=jnp.int32(0),
         stats=SpecStats(cycles=zeros, accepted=zeros,
                         accept_hist=jnp.zeros((b, depth_max + 1), jnp.int32), fallbacks=zeros,
-                        verified=zeros))
+                        verified=zeros, drafted=zeros))
     fast = targets_lib.fresh_pass(target)
     m = min(n, targets_lib.step_tokens(target))
     if budget is not None:
@@ -347,6 +367,9 @@ def speculative_generate(
         # Bucket k's pass width: its nodes, at least a plain step's rows, at most the tree.
         widths = tuple(min(max(w, m), n) for w in budget.buckets)
         distinct = sorted(set(widths))
+    gated = budget is not None and budget.gated and hasattr(drafter, "skip")
+    if gated:
+        state = dataclasses.replace(state, gate=harness.Gate.start())
 
     def cond(s: SpecState):
         return ~jnp.all(s.done)
@@ -354,8 +377,18 @@ def speculative_generate(
     def body(s: SpecState):
         ctx = Context(s.seq, s.seq_len, sp)
         draft_key, verify_key = cycle_keys(s.rng, s.cycle)
-        proposal, dstate = drafter.propose(drafter_params, s.dstate, ctx, draft_key)
         running = ~s.done
+        if gated:
+            # A plain step without drafting while drafting has not paid (harness.Gate); the
+            # drafter's skip brings its state up to the committed sequence instead.
+            shape = jax.eval_shape(drafter.propose, drafter_params, s.dstate, ctx, draft_key)[0]
+            proposal, dstate = jax.lax.cond(
+                s.gate.drafts,
+                lambda: drafter.propose(drafter_params, s.dstate, ctx, draft_key),
+                lambda: (_no_proposal(shape, ctx.root),
+                         drafter.skip(drafter_params, s.dstate, ctx)))
+        else:
+            proposal, dstate = drafter.propose(drafter_params, s.dstate, ctx, draft_key)
         usable = _usable(proposal, target.vocab_size)
         # Unusable rows keep only the root: the cycle is one plain decoding step for them.
         only_root = jnp.arange(n)[None, :] == 0
@@ -436,10 +469,15 @@ def speculative_generate(
             accept_hist=st.accept_hist + (running[:, None] & (
                 jnp.arange(depth_max + 1)[None, :] == n_acc[:, None])),
             fallbacks=st.fallbacks + (running & ~usable),
-            verified=st.verified + jnp.where(running, width, 0))
+            verified=st.verified + jnp.where(running, width, 0),
+            drafted=st.drafted + (running & (s.gate.drafts if gated else True)))
+        gate = s.gate
+        if gated:
+            mean_acc = jnp.sum(n_acc) / jnp.maximum(jnp.sum(running), 1)
+            gate = gate.update(budget.advantage(k, mean_acc), jnp.any(running))
         return SpecState(seq=seq, seq_len=seq_len, n_generated=n_generated, done=done,
                          stopped=s.stopped | hit, cache=cache, dstate=dstate, rng=s.rng,
-                         cycle=s.cycle + 1, stats=stats)
+                         cycle=s.cycle + 1, stats=stats, gate=gate)
 
     state = jax.lax.while_loop(cond, body, state)
     idx = prompt_len[:, None] + jnp.arange(max_new_tokens)[None, :]

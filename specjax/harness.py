@@ -17,12 +17,24 @@ sum of the indicator "this node's path is accepted" over nodes; best-first order
 first N - 1 nodes the best such set. One verify pass serves the whole batch, so the bucket
 is chosen per batch from the rows' summed expected tokens.
 
+**Whether to draft at all.** In the loop the bucket is chosen after drafting, so a cycle's
+draft time is paid whatever the choice: every bucket carries it, and a cycle that picks bucket 0
+costs a plain step plus the drafting. Where drafting costs something (``Budget.gated``), a gate
+decides before each cycle whether to draft, from what drafting has earned so far: the advantage
+of a drafted cycle, in plain steps, is
+
+    a = (1 + accepted drafts, the batch's mean) - cycle_s[k] / step_s,
+
+its running mean (an exponential average, weight ``GATE_ALPHA``) is kept, and while it is not
+positive the loop runs plain steps without drafting. A run of plain steps ends in a probe, one
+drafted cycle whose advantage replaces the average; a failed probe doubles the next run (1, 2,
+4, ... up to ``GATE_MAX_SKIP`` steps), a successful one resumes drafting. A drafter whose draft
+time is negligible (under ``GATE_MIN_DRAFT`` of a plain step: prompt lookup) is never gated, so
+a match is never missed.
+
 Costs are measured (``specjax calibrate``) into a :class:`CostTable` JSON, reused while the
 machine, model, dtype and batch stay the same; its :meth:`CostTable.budget` is what
-``decode.speculative_generate(budget=...)`` compiles in. In that loop the bucket is chosen
-after drafting, so the draft time is paid whatever the choice: the budget counts it in every
-bucket, and a cycle that picks bucket 0 costs a plain step plus the drafting (deciding whether
-to draft at all, from the acceptance seen so far, is not done yet).
+``decode.speculative_generate(budget=...)`` compiles in.
 """
 
 from __future__ import annotations
@@ -71,9 +83,11 @@ class CostTable:
     def budget(self) -> Budget:
         """What the decoding loop compiles in: the buckets and their cycle costs as the loop
         pays them. The loop's drafter drafts its whole proposal before the bucket is chosen,
-        so every bucket (a plain step's included) carries the largest bucket's draft time."""
+        so every bucket (a plain step's included) carries the largest bucket's draft time; a
+        table with a plain-step bucket also gives the gate its step and draft times."""
         sunk = float(self.draft_s[-1])
-        return Budget(self.buckets, tuple(float(v) + sunk for v in self.verify_s))
+        step = float(self.verify_s[0]) if self.buckets[0] == 0 else None
+        return Budget(self.buckets, tuple(float(v) + sunk for v in self.verify_s), step, sunk)
 
     def matches(self, key: dict) -> bool:
         """Whether this table was measured for ``key`` (every entry equal)."""
@@ -101,10 +115,14 @@ class Budget:
     Attributes:
       buckets: budgets N, ascending (0 = a plain step).
       cycle_s: seconds of a cycle of each bucket (verify plus draft).
+      step_s: seconds of a plain step without drafting; None: no gate (every cycle drafts).
+      draft_s: seconds of drafting, what a gated plain step saves.
     """
 
     buckets: tuple[int, ...]
     cycle_s: tuple[float, ...]
+    step_s: float | None = None
+    draft_s: float = 0.0
 
     def __post_init__(self):
         if len(self.buckets) != len(self.cycle_s) or not self.buckets:
@@ -112,8 +130,67 @@ class Budget:
                              "one per bucket")
         if list(self.buckets) != sorted(set(self.buckets)) or self.buckets[0] < 0:
             raise ValueError(f"buckets {list(self.buckets)} must be distinct, ascending, >= 0")
-        if min(self.cycle_s) <= 0:
+        if min(self.cycle_s) <= 0 or (self.step_s is not None and self.step_s <= 0):
             raise ValueError("cycle costs must be positive")
+
+    @property
+    def gated(self) -> bool:
+        """Whether the loop decides before each cycle whether to draft (module docstring)."""
+        return self.step_s is not None and self.draft_s > GATE_MIN_DRAFT * self.step_s
+
+    def advantage(self, k: jax.Array, accepted: jax.Array) -> jax.Array:
+        """Plain steps a drafted cycle of bucket ``k`` gained: ``1 + accepted -
+        cycle_s[k] / step_s`` (``accepted``: the batch's mean accepted drafts)."""
+        return 1.0 + accepted - jnp.asarray(self.cycle_s, jnp.float32)[k] / self.step_s
+
+
+GATE_ALPHA = 0.3  # weight of the newest drafted cycle in the running advantage
+GATE_MAX_SKIP = 64  # the longest run of plain steps between probes
+GATE_MIN_DRAFT = 0.05  # draft time, as a fraction of a plain step, below which no gate
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Gate:
+    """The draft gate's carry in the decoding loop (scalars; module docstring).
+
+    Attributes:
+      advantage: float32, running advantage of drafted cycles, in plain steps.
+      wait: int32, plain steps left before the next probe (0: draft this cycle).
+      skip: int32, the length of the next run of plain steps after a failed probe.
+      probing: bool, whether the next drafted cycle is a probe (its advantage replaces the
+        running one).
+    """
+
+    advantage: jax.Array
+    wait: jax.Array
+    skip: jax.Array
+    probing: jax.Array
+
+    @classmethod
+    def start(cls) -> Gate:
+        """The gate before the first cycle: drafting, the first cycle a probe."""
+        return cls(jnp.float32(0.0), jnp.int32(0), jnp.int32(1), jnp.bool_(True))
+
+    @property
+    def drafts(self) -> jax.Array:
+        """Scalar bool: whether this cycle drafts."""
+        return self.wait == 0
+
+    def update(self, advantage: jax.Array, ran: jax.Array) -> Gate:
+        """The gate after a cycle: ``advantage`` is the cycle's (used only if it drafted),
+        ``ran`` whether any row was running."""
+        drafted = self.drafts & ran
+        mean = jnp.where(self.probing, advantage,
+                         (1 - GATE_ALPHA) * self.advantage + GATE_ALPHA * advantage)
+        mean = jnp.where(drafted, mean, self.advantage)
+        fail = drafted & (mean <= 0)
+        return Gate(
+            advantage=mean,
+            wait=jnp.where(fail, self.skip, jnp.maximum(self.wait - (~self.drafts), 0)),
+            skip=jnp.where(fail, jnp.minimum(2 * self.skip, GATE_MAX_SKIP),
+                           jnp.where(drafted, 1, self.skip)),
+            probing=jnp.where(drafted, fail, self.probing | fail))
 
 
 def expected_tokens(path_probs: jax.Array, buckets: Sequence[int]) -> jax.Array:

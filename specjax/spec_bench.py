@@ -257,14 +257,14 @@ def run_spec_benchmark(model, prompts: Sequence[str] | Mapping[str, Sequence[str
              for name, (c, p, d, dp) in configs.items()}
     budgets = {}
     for name in [n for n in configs if n.startswith(("dflash", "ddtree")) and cost_aware]:
-        # The drafter drafts before the bucket is chosen, so its cost is in every bucket.
+        # The table carries the draft time into every bucket and gives the gate its costs.
         c, p, d, dp = configs[name]
         costs = curves[c.dtype]
         buckets = tuple(n for n in sorted(set(cost_aware)) if n <= d.n_nodes)
         twin = f"{name} cost-aware"
-        budgets[twin] = harness.Budget(buckets, tuple(
-            (costs.fastest_plain_step if n == 0 else costs.at(n)) + draft[name] / 1e3
-            for n in buckets))
+        budgets[twin] = harness.CostTable(
+            buckets, tuple(costs.fastest_plain_step if n == 0 else costs.at(n) for n in buckets),
+            tuple(0.0 if n == 0 else draft[name] / 1e3 for n in buckets)).budget()
         configs[twin], draft[twin] = configs[name], draft[name]
     best = {name: [np.inf] * len(batches) for name in configs}
     outputs, taus = {}, {name: [None] * len(batches) for name in configs}

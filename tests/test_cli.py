@@ -37,6 +37,14 @@ def cli_model(hf_llama_dir, tmp_path_factory):
     return path, torch_model
 
 
+@pytest.fixture(autouse=True)
+def cost_cache(tmp_path_factory, monkeypatch):
+    """The cost-aware harness's measured tables go to one directory per test session."""
+    path = tmp_path_factory.getbasetemp() / "cost-cache"
+    monkeypatch.setenv("SPECJAX_CACHE_DIR", str(path))
+    return path / "costs"
+
+
 def _run(capsys, *argv):
     """(return code, stdout, stderr) of ``specjax <argv>``."""
     rc = cli.main(list(argv))
@@ -147,6 +155,24 @@ def test_raw_prompt_batch_prints_each_row(cli_model, capsys):
     assert out.startswith("--- [0]\n") and "\n--- [1]\n" in out
 
 
+def test_generate_is_cost_aware_by_default_and_measures_its_table_once(cli_model, capsys,
+                                                                       cost_cache):
+    path, _ = cli_model
+    argv = ["generate", "--model", str(path), "--prompt", PROMPT, "--max-new-tokens", "12"]
+    rc, plain, _ = _run(capsys, *argv)
+    spec = argv + ["--method", "ngram", "--draft-len", "3"]
+    before = set(cost_cache.glob("*.json")) if cost_cache.exists() else set()
+    rc, out, err = _run(capsys, *spec)
+    assert rc == 0 and out == plain, err
+    new = set(cost_cache.glob("*.json")) - before
+    assert len(new) == 1 and "break-even tau" in err  # measured now, the table printed
+    assert re.search(r"cost-aware: drafted in \d+ cycles, [\d.]+ nodes verified per cycle", err)
+    rc, again, err = _run(capsys, *spec)
+    assert rc == 0 and again == plain and "break-even tau" not in err  # read back
+    rc, fixed, err = _run(capsys, *spec, "--fixed-budget")
+    assert rc == 0 and fixed == plain and "cost-aware" not in err
+
+
 def test_unknown_model_name_is_an_error(capsys):
     rc, out, err = _run(capsys, "generate", "--model", "no-such-model", "--prompt", "hi")
     assert rc != 0 and out == ""
@@ -194,3 +220,56 @@ def test_calibrate_writes_a_cost_table_and_reuses_it(cli_model, tmp_path, capsys
     rc, _, err = _run(capsys, *argv[:-2], "--out", str(tmp_path / "bad.json"), "--buckets", "0,1",
                       "--method", "dflash", "--drafter", str(tmp_path / "none"))
     assert rc == 2 and "error:" in err
+
+
+def test_bench_quick_writes_records_table_and_plot(cli_model, tmp_path, capsys):
+    """``specjax bench --quick`` on the tiny model (no DFlash drafter is shipped for it, so
+    that method is skipped with a note): plain and n-gram, fixed and cost-aware, on the
+    long-context retrieval set; the greedy cells reproduce plain decoding."""
+    from specjax import report
+
+    path, _ = cli_model
+    out = tmp_path / "bench"
+    rc, text, err = _run(capsys, "bench", "--quick", "--model", str(path), "--max-new-tokens",
+                         "8", "--sets", "retrieve", "--out", str(out), "--no-progress")
+    assert rc == 0, err
+    assert "skipping dflash: no dflash drafter is shipped" in err
+    records = report.read_jsonl(out / "records.jsonl")
+    methods = ["plain", "ngram k=4", "ngram k=4 cost-aware"]
+    assert [(r["method"], r["set"]) for r in records] == [
+        (m, "retrieve") for m in methods]
+    for r in records:
+        assert r["same_as_plain"] is True and r["tok_s"] > 0 and r["ttft_ms"] > 0
+        assert r["tpot_ms"]["p50"] <= r["tpot_ms"]["p99"]
+        if r["method"] == "plain":
+            assert r["speedup"] == 1.0 and r["split_ms"] is None
+        else:
+            assert r["tau"] >= 1.0 and set(r["split_ms"]) == {"draft", "verify", "other"}
+    assert text.startswith(f"specjax bench --quick --model {path}")
+    rc, _, err = _run(capsys, "bench", "--quick", "--model", str(path), "--sets", "poetry")
+    assert rc == 2 and "no prompt set 'poetry'" in err
+    assert "| set | T | batch | method |" in text and "| mean speedup |" in text
+    assert (out / "table.md").read_text().startswith("| set |")
+    assert (out / "bench.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_bench_reads_mt_bench_prompt_files(cli_model, tmp_path, capsys):
+    from specjax import report
+
+    path, _ = cli_model
+    prompts = tmp_path / "q.jsonl"
+    prompts.write_text('{"question_id": 1, "category": "writing", "turns": ["w7 w8", "w9"]}\n'
+                       '{"question_id": 2, "category": "coding", "turns": ["w9 w9 w7"]}\n'
+                       '{"question_id": 3, "category": "writing", "turns": ["w8 w8"]}\n')
+    out = tmp_path / "bench"
+    rc, _, err = _run(capsys, "bench", "--model", str(path), "--prompts", str(prompts),
+                      "--methods", "plain", "--batch-sizes", "2", "--max-new-tokens", "4",
+                      "--repeats", "1", "--out", str(out), "--no-progress")
+    assert rc == 0, err
+    records = report.read_jsonl(out / "records.jsonl")
+    assert [(r["set"], r["requests"], r["batch"]) for r in records] == [("writing", 1, 2),
+                                                                        ("coding", 1, 2)]
+    prompts.write_text('{"category": "x"}\n')
+    rc, _, err = _run(capsys, "bench", "--model", str(path), "--prompts", str(prompts),
+                      "--out", str(out))
+    assert rc == 2 and "needs a non-empty 'turns' list or 'prompt' string" in err

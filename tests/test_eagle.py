@@ -128,7 +128,7 @@ def test_the_drafter_cache_equals_a_fresh_prefill_of_the_committed_sequence():
 
 def _reference_walk(table, root_logp, k, depth, total):
     """The reference's ``topK_genrate`` on a Markov drafter (``table[token]`` = log-probs of the
-    next draft id), in plain Python: returns (tokens, parents, visible per level)."""
+    next draft id), in plain Python: returns (tokens, parents, visible per level, scores)."""
     order = lambda lp: sorted(range(len(lp)), key=lambda i: -lp[i])  # noqa: E731
     pool = []  # (score, token, parent pool index or -1)
     cur = []  # (pool index, score, token, fed columns of its ancestry, itself included)
@@ -149,7 +149,7 @@ def _reference_walk(table, root_logp, k, depth, total):
     sel = sorted(sorted(range(len(pool)), key=lambda i: -pool[i][0])[: total - 1])
     tokens = [pool[i][1] for i in sel]
     parents = [-1] + [0 if pool[i][2] < 0 else sel.index(pool[i][2]) + 1 for i in sel]
-    return tokens, parents, visible
+    return tokens, parents, visible, [pool[i][0] for i in sel]
 
 
 @pytest.mark.parametrize("k, depth, total", [(3, 3, 10), (4, 2, 21), (2, 4, 9)])
@@ -164,11 +164,13 @@ def test_dynamic_expansion_matches_the_reference_walk(k, depth, total):
         seen.append(np.asarray(visible[0]))
         return jnp.asarray(table)[ids], hidden
 
-    ids, parents, valid = eagle.expand_dynamic(
+    ids, parents, valid, scores = eagle.expand_dynamic(
         step, jnp.asarray(root)[None], jnp.zeros((1, 4)), DynamicTree(total, depth, k))
-    want_tokens, want_parents, want_visible = _reference_walk(table, root, k, depth, total)
+    want_tokens, want_parents, want_visible, want_scores = _reference_walk(table, root, k, depth,
+                                                                           total)
     assert np.asarray(ids)[0].tolist() == want_tokens
     assert np.asarray(parents)[0].tolist() == want_parents
+    np.testing.assert_allclose(np.asarray(scores)[0], want_scores, rtol=1e-5)
     assert np.asarray(valid).all()
     for level, (got, anc) in enumerate(zip(seen, want_visible)):
         want = np.zeros((k, depth * k), bool)
@@ -188,8 +190,8 @@ def test_a_candidate_whose_parent_lost_the_rerank_is_invalid():
     def step(level, hidden, ids, visible):
         return jnp.asarray(table)[ids], hidden
 
-    ids, parents, valid = eagle.expand_dynamic(step, jnp.asarray(root)[None], jnp.zeros((1, 2)),
-                                               DynamicTree(3, 2, k))
+    ids, parents, valid, _ = eagle.expand_dynamic(step, jnp.asarray(root)[None],
+                                                  jnp.zeros((1, 2)), DynamicTree(3, 2, k))
     par, ok = np.asarray(parents)[0], np.asarray(valid)[0]
     assert (par[1:] < np.arange(1, 3)).all() and (par[1:] >= 0).all()
     # Every valid node's parent chain reaches the root through selected, valid nodes.

@@ -5,12 +5,16 @@ uses it (lossless at every bucket, the chosen widths, choices that follow the co
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from specjax import api, harness
 from specjax.config import ModelConfig
-from specjax.drafters import dflash
+from specjax.drafters import dflash, eagle
+from specjax.drafters.base import FunctionDrafter, Proposal, chain_parents
+from specjax.drafters.draft_model import DraftModelDrafter
+from specjax.drafters.ngram import NgramDrafter
 from specjax.models import target
 from specjax.targets import DecoderTarget
 
@@ -127,13 +131,89 @@ def test_choices_follow_the_confidences():
     assert cycles < verified < 8 * cycles, (cycles, verified, seen)
 
 
-def test_budgets_need_a_drafter_with_confidences():
-    from specjax.drafters.ngram import NgramDrafter
+def _no_confidence(params, dstate, ctx, rng):
+    b = ctx.seq.shape[0]
+    return Proposal(jnp.repeat(ctx.root[:, None], 4, axis=1), chain_parents(b, 4),
+                    jnp.ones((b, 4), bool)), dstate
 
-    with pytest.raises(ValueError, match="NgramDrafter reports no confidence"):
+
+def test_budgets_need_a_drafter_with_confidences():
+    with pytest.raises(ValueError, match="FunctionDrafter reports no confidence"):
         api.generate_tokens(TINY, PARAMS, PROMPTS, max_new_tokens=4,
-                            drafter=NgramDrafter.for_budget(4),
+                            drafter=FunctionDrafter(_no_confidence, n_nodes=4, max_depth=3),
                             budget=harness.Budget((0, 4), (1.0, 1.0)))
     with pytest.raises(ValueError, match="needs a drafter"):
         api.generate_tokens(TINY, PARAMS, PROMPTS, max_new_tokens=4,
                             budget=harness.Budget((0, 4), (1.0, 1.0)))
+
+
+def test_the_gate_backs_off_after_failed_probes_and_resumes_after_a_good_one():
+    g = harness.Gate.start()
+    ran = jnp.bool_(True)
+    trace = []
+    # Drafting loses (a probe, 1 plain step, a probe, 2 plain steps: what a skipped cycle
+    # reports is ignored), then a probe wins (+1 plain step) and drafting goes on through a
+    # small loss (the running mean 0.7 * 1 + 0.3 * -0.1 = 0.67 stays positive) until a big
+    # one (0.7 * 0.67 + 0.3 * -2 < 0): 1 plain step, then a probe that wins.
+    for adv in [-1, 9, -0.5, 9, 9, 1, -0.1, -2, 9, 9]:
+        trace.append(bool(g.drafts))
+        g = g.update(jnp.float32(adv), ran)
+    assert trace == [True, False, True, False, False, True, True, True, False, True]
+    assert int(g.wait) == 0 and int(g.skip) == 1 and not bool(g.probing)
+    assert float(g.advantage) == 9.0
+    # A failed probe doubles the next run of plain steps, up to GATE_MAX_SKIP.
+    g = harness.Gate.start()
+    runs = []
+    for _ in range(9):
+        g = g.update(jnp.float32(-1), ran)
+        runs.append(int(g.wait))
+        while not bool(g.drafts):
+            g = g.update(jnp.float32(9), ran)
+    assert runs == [1, 2, 4, 8, 16, 32, 64, 64, 64]
+
+
+def test_a_table_gates_only_a_drafter_that_costs_time():
+    assert TABLE.budget().gated  # 20 ms of drafting against a 50 ms plain step
+    cheap = harness.CostTable((0, 4), (0.05, 0.1), (0.0, 0.001))
+    assert not cheap.budget().gated
+    assert not harness.CostTable((4, 8), (0.1, 0.14), (0.01, 0.01)).budget().gated
+
+
+# Every drafter under a cost-aware budget: drafting that never pays (a gated budget whose
+# drafting costs 19 plain steps: the loop mostly skips it) and drafting that always pays (the
+# whole tree at half a plain step): greedy output equals plain decoding, batch 4 with mixed
+# lengths and a stop token (batch 1 and the other policies: tests/test_speculative.py and the
+# drafters' own tests, without budgets).
+E3 = eagle.EagleConfig.eagle3(TINY, draft_vocab_size=61)
+E3_PARAMS = eagle.drafter_params(eagle.init_params(E3, 1, scale=0.3), PARAMS)
+TGT = DecoderTarget(TINY)
+EVERY_DRAFTER = {
+    "ngram": (NgramDrafter.for_budget(8), None),
+    "draft-model": DraftModelDrafter.from_target_layers(TINY, PARAMS, 1, draft_len=7),
+    "eagle3-dynamic": (eagle.EagleDrafter(E3, TGT, eagle.DynamicTree(8, 3, 3)), E3_PARAMS),
+    "eagle3-sampled": (eagle.EagleDrafter(E3, TGT, eagle.SampledChain(5)), E3_PARAMS),
+    "dflash-chain": (dflash.DFlashDrafter(DCFG, TGT, dflash.BlockChain()), DPARAMS),
+    "ddtree": (dflash.DFlashDrafter(DCFG, TGT, dflash.DDTree(8)), DPARAMS),
+}
+NEVER_PAYS = harness.Budget((0, 4, 8), (20.0, 20.0, 20.0), step_s=1.0, draft_s=19.0)
+ALWAYS_PAYS = harness.Budget((0, 4, 8), (1.1, 0.6, 0.5), step_s=1.0, draft_s=0.1)
+
+
+@pytest.mark.parametrize("name", list(EVERY_DRAFTER))
+def test_greedy_output_of_the_harness_equals_plain_for_every_drafter(name):
+    drafter, dp = EVERY_DRAFTER[name]
+    assert NEVER_PAYS.gated and ALWAYS_PAYS.gated
+    stop = api.generate_tokens(TINY, PARAMS, PROMPTS, max_new_tokens=16).tokens[1][9]
+    want = api.generate_tokens(TINY, PARAMS, PROMPTS, max_new_tokens=16, stop_tokens=[stop])
+    for budget in (NEVER_PAYS, ALWAYS_PAYS):
+        got = api.generate_tokens(TINY, PARAMS, PROMPTS, max_new_tokens=16, stop_tokens=[stop],
+                                  drafter=drafter, drafter_params=dp, budget=budget)
+        assert got.tokens == want.tokens, (name, budget)
+        assert got.stopped == want.stopped
+        st = got.stats
+        if budget is NEVER_PAYS:
+            # Probes at cycles 0, 2, 5, 10: at most 4 of the row's 16 or fewer cycles.
+            assert (st.drafted <= 4).all() and st.drafted.sum() < st.cycles.sum(), st.drafted
+            assert (st.accepted <= st.drafted * drafter.max_depth).all()
+        else:
+            assert (st.drafted == st.cycles).all()

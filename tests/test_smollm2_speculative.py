@@ -12,12 +12,13 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from specjax import api, cli
+from specjax import api
 from specjax.drafters import dflash, eagle
 from specjax.drafters.draft_model import DraftModelDrafter
 from specjax.drafters.ngram import NgramDrafter
 from specjax.models import cache as cache_lib
 from specjax.io import official
+from specjax.io.models import shipped_drafter
 from specjax.models import target
 from specjax.targets import DecoderTarget
 
@@ -47,8 +48,8 @@ def test_speculative_greedy_equals_plain_on_smollm2(smollm2):
     ids = [tok.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS]
     kw = dict(max_new_tokens=MAX_NEW, stop_tokens=tok.eos_ids)
     plain = api.generate_tokens(smollm2.cfg, smollm2.params, ids, **kw)
-    ecfg, own = official.load_eagle(cli.shipped_drafter("smollm2-135m", "eagle3"), smollm2.cfg)
-    dcfg, down = official.load_dflash(cli.shipped_drafter("smollm2-135m", "dflash"), smollm2.cfg)
+    ecfg, own = official.load_eagle(shipped_drafter("smollm2-135m", "eagle3"), smollm2.cfg)
+    dcfg, down = official.load_dflash(shipped_drafter("smollm2-135m", "dflash"), smollm2.cfg)
     tgt = DecoderTarget(smollm2.cfg)
     drafters = {
         "ngram k=6": (NgramDrafter(draft_len=6), None),

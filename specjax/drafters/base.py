@@ -7,7 +7,11 @@ argument of ``jax.jit``) whose three methods are pure functions of arrays::
     propose(params, dstate, ctx: Context, rng) -> (Proposal, dstate)
     commit(params, dstate, ctx: Context, accepted: Accepted) -> dstate
 
-plus a host-side ``check_target(target)`` that raises ValueError when it cannot draft for a
+and optionally ``skip(params, dstate, ctx: Context) -> dstate``, which brings the state up to
+the committed sequence without drafting (the cycle is then a plain step, and ``commit`` follows
+with nothing accepted): a cost-aware budget's gate uses it to stop drafting while drafting does
+not pay (:mod:`specjax.harness`); a drafter without it always drafts. Plus a host-side
+``check_target(target)`` that raises ValueError when it cannot draft for a
 target (:mod:`specjax.targets`; a drafter that reads the target's weights checks widths and
 vocabularies there).
 

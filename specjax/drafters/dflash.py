@@ -520,6 +520,10 @@ class DFlashDrafter:
         out = draft_layers(cfg, params["drafter"], h, positions, context_block, block_rule)
         return self.target.lm_head(params["target"], out[:, 1:])
 
+    def skip(self, params, state: DFlashState, ctx: Context) -> DFlashState:
+        """Nothing to catch up: ``commit`` injects every committed position, drafted or not."""
+        return state
+
     def propose(self, params, state: DFlashState, ctx: Context, rng):
         """One block pass; every proposal carries its nodes' path confidences (the product of
         the block's marginals of each node's tokens along its path)."""

@@ -90,17 +90,28 @@ class DraftModelDrafter:
         _, _, cache = target.forward_hidden(params, self.cfg, prefill.prompt, positions, cache)
         return cache_lib.advance(cache, prefill.prompt_len)
 
-    def propose(self, params, cache: cache_lib.KVCache, ctx: Context, rng):
-        sp = ctx.sp
-        b = ctx.seq.shape[0]
+    def _feed_pending(self, params, cache: cache_lib.KVCache, ctx: Context):
+        """Feeds the tokens committed since the last call; returns the logits [B, V] of the
+        token after the root and the cache holding the committed sequence."""
         seen = cache.lengths  # [B]
         n_pending = ctx.seq_len - seen  # [B], 1 or 2
         idx = jnp.minimum(seen[:, None] + jnp.arange(PENDING)[None, :], ctx.seq.shape[1] - 1)
         block = jnp.take_along_axis(ctx.seq, idx, axis=1)  # [B, PENDING]
-        logits, _, cache = target.forward(params, self.cfg, block, seen[:, None] + jnp.arange(PENDING),
-                                          cache)
-        last = jnp.take_along_axis(logits, (n_pending - 1)[:, None, None], axis=1)[:, 0]  # [B, V]
-        cache = cache_lib.advance(cache, n_pending)
+        logits, _, cache = target.forward(params, self.cfg, block,
+                                          seen[:, None] + jnp.arange(PENDING), cache)
+        last = jnp.take_along_axis(logits, (n_pending - 1)[:, None, None], axis=1)[:, 0]
+        return last, cache_lib.advance(cache, n_pending)
+
+    def skip(self, params, cache: cache_lib.KVCache, ctx: Context) -> cache_lib.KVCache:
+        """Feeds the pending tokens without drafting (``commit`` then keeps nothing more)."""
+        return self._feed_pending(params, cache, ctx)[1]
+
+    def propose(self, params, cache: cache_lib.KVCache, ctx: Context, rng):
+        """Drafts a chain; each node's confidence is the product of the draft model's own
+        (temperature-1) probabilities of the chain's tokens up to it."""
+        sp = ctx.sp
+        b = ctx.seq.shape[0]
+        last, cache = self._feed_pending(params, cache, ctx)
         keys = jax.random.split(rng, self.draft_len)
 
         def step(carry, key):
@@ -116,9 +127,12 @@ class DraftModelDrafter:
         v = q_logits.shape[-1]
         draft_logits = jnp.concatenate(
             [q_logits.transpose(1, 0, 2), jnp.zeros((b, 1, v), q_logits.dtype)], axis=1)
+        own = jnp.take_along_axis(jax.nn.log_softmax(q_logits, axis=-1), drafts[..., None],
+                                  axis=-1)[..., 0]  # [K, B]
+        confidence = jnp.exp(jnp.pad(jnp.cumsum(own.T, axis=1), ((0, 0), (1, 0))))
         proposal = Proposal(tokens=tokens, parents=chain_parents(b, self.n_nodes),
                             node_valid=jnp.ones((b, self.n_nodes), bool),
-                            draft_logits=draft_logits)
+                            draft_logits=draft_logits, confidence=confidence)
         return proposal, cache
 
     def commit(self, params, cache: cache_lib.KVCache, ctx, accepted):

@@ -336,10 +336,11 @@ def expand_dynamic(step, last_logp: jax.Array, last: jax.Array, tree: DynamicTre
       last: [B, D] the output that ``last_logp`` came from.
       tree: the policy.
     Returns:
-      ``(draft_ids [B, N - 1], parents [B, N], valid [B, N])``: the selected candidates in
-      pool order (the reference's order), each node's parent index in the tree (0 = root)
-      and whether the node is usable (False only for a candidate whose parent lost the
-      rerank, which log-probability ties alone can cause).
+      ``(draft_ids [B, N - 1], parents [B, N], valid [B, N], path_logp [B, N - 1])``: the
+      selected candidates in pool order (the reference's order), each node's parent index in
+      the tree (0 = root), whether the node is usable (False only for a candidate whose
+      parent lost the rerank, which log-probability ties alone can cause) and each
+      candidate's cumulative log-probability (the score it was ranked by).
     """
     k, depth = tree.top_k, tree.depth
     b = last_logp.shape[0]
@@ -371,6 +372,7 @@ def expand_dynamic(step, last_logp: jax.Array, last: jax.Array, tree: DynamicTre
     _, sel = jax.lax.top_k(pool_scores, tree.n_nodes - 1)
     sel = jnp.sort(sel, axis=1).astype(jnp.int32)  # [B, N - 1] pool order
     draft_ids = jnp.take_along_axis(pool_ids, sel, axis=1)
+    path_logp = jnp.take_along_axis(pool_scores, sel, axis=1)
     parent_pool = jnp.take_along_axis(pool_parent, sel, axis=1)  # [B, N - 1]
     # The parent's rank in the sorted selection, and whether it was selected at all.
     where = jnp.sum(sel[:, None, :] < parent_pool[:, :, None], axis=-1, dtype=jnp.int32)
@@ -380,7 +382,7 @@ def expand_dynamic(step, last_logp: jax.Array, last: jax.Array, tree: DynamicTre
     valid = is_root_child | found
     ones = jnp.ones((b, 1), bool)
     return (draft_ids, jnp.concatenate([jnp.full((b, 1), -1, jnp.int32), parents], axis=1),
-            jnp.concatenate([ones, valid], axis=1))
+            jnp.concatenate([ones, valid], axis=1), path_logp)
 
 
 def _static_plan(tree: StaticTree):
@@ -568,7 +570,13 @@ class EagleDrafter:
 
         return step
 
+    def skip(self, params, state: EagleState, ctx: Context) -> EagleState:
+        """Nothing to catch up: ``commit`` feeds every committed pair, drafted or not."""
+        return state
+
     def propose(self, params, state: EagleState, ctx: Context, rng):
+        """Drafts the policy's proposal; every node carries its path confidence (the product
+        of the drafter's probabilities along its path, the dynamic tree's ranking score)."""
         cfg, policy = self.cfg, self.policy
         own = params["drafter"]
         b = state.last.shape[0]
@@ -582,10 +590,11 @@ class EagleDrafter:
                                         level)
                 return jax.nn.log_softmax(logits, axis=-1), out
 
-            ids, parents, valid = expand_dynamic(step, jax.nn.log_softmax(root_logits, axis=-1),
-                                                 state.last, policy)
+            ids, parents, valid, path_logp = expand_dynamic(
+                step, jax.nn.log_softmax(root_logits, axis=-1), state.last, policy)
             tokens = jnp.concatenate([ctx.root[:, None], _target_ids(cfg, own, ids)], axis=1)
-            return Proposal(tokens, parents, valid), state
+            conf = jnp.exp(jnp.pad(path_logp, ((0, 0), (1, 0))))  # the root's log-prob is 0
+            return Proposal(tokens, parents, valid, confidence=jnp.where(valid, conf, 0.0)), state
         if isinstance(policy, SampledChain):
             return self._sampled_chain(params, state, ctx, rng, root_logits), state
         return self._static(params, state, ctx, root_logits), state
@@ -598,14 +607,17 @@ class EagleDrafter:
         parents = np.asarray(tree.parents)
         node_step = self._node_step(params, state, max(len(fed), 1))
         need = int(rank.max()) + 1
-        # top[i]: [B, need] draft ids of node i's most likely children (node 0: the root).
-        top = {0: jax.lax.top_k(root_logits, need)[1]}
+        # top[i]: [B, need] (log-probabilities, draft ids) of node i's most likely children
+        # (node 0: the root).
+        top = {0: jax.lax.top_k(jax.nn.log_softmax(root_logits, axis=-1), need)}
         out_of = {0: state.last}
-        ids = [None] * n
+        ids, path_lp = [None] * n, [jnp.zeros((b,))] + [None] * (n - 1)
         col = 0
         for lvl, (nodes, inner, vis) in enumerate(levels):
             for i in nodes:
-                ids[i] = top[int(parents[i])][:, rank[i]]
+                lp, top_ids = top[int(parents[i])]
+                ids[i] = top_ids[:, rank[i]]
+                path_lp[i] = path_lp[int(parents[i])] + lp[:, rank[i]]
             if not inner:
                 continue
             hidden = jnp.stack([out_of[int(parents[i])] for i in inner], axis=1)
@@ -614,13 +626,13 @@ class EagleDrafter:
             logits, out = node_step(col, hidden, _target_ids(self.cfg, params["drafter"], node_ids),
                                     visible, lvl)
             col += len(inner)
-            node_top = jax.lax.top_k(logits, need)[1]  # [B, M, need]
-            for r, i in enumerate(inner):
-                top[i], out_of[i] = node_top[:, r], out[:, r]
+            node_lp, node_ids = jax.lax.top_k(jax.nn.log_softmax(logits, axis=-1), need)
+            for r, i in enumerate(inner):  # node_lp, node_ids: [B, M, need]
+                top[i], out_of[i] = (node_lp[:, r], node_ids[:, r]), out[:, r]
         drafts = _target_ids(self.cfg, params["drafter"], jnp.stack(ids[1:], axis=1))
         tokens = jnp.concatenate([ctx.root[:, None], drafts], axis=1)
         return Proposal(tokens, jnp.broadcast_to(jnp.asarray(parents, jnp.int32), (b, n)),
-                        jnp.ones((b, n), bool))
+                        jnp.ones((b, n), bool), confidence=jnp.exp(jnp.stack(path_lp, axis=1)))
 
     def _sampled_chain(self, params, state, ctx, rng, root_logits) -> Proposal:
         cfg, own = self.cfg, params["drafter"]
@@ -629,13 +641,15 @@ class EagleDrafter:
         node_step = self._node_step(params, state, max(length - 1, 1))
         keys = jax.random.split(rng, length)
         logits, hidden = root_logits, state.last
-        drafts, q_logits = [], []
+        drafts, q_logits, lp = [], [], [jnp.zeros((b,))]
         eye = np.eye(max(length - 1, 1), dtype=bool)
         for i in range(length):
             full = full_vocab_logits(cfg, own, logits)  # [B, V], what draft i is drawn from
             tok = sampling.sample_rows(jax.random.split(keys[i], b), full, ctx.sp)
             drafts.append(tok)
             q_logits.append(full)
+            own_lp = jnp.take_along_axis(jax.nn.log_softmax(full, axis=-1), tok[:, None], axis=1)
+            lp.append(lp[-1] + own_lp[:, 0])
             if i + 1 < length:
                 # The chain's fed nodes see all earlier ones: a lower-triangular visibility.
                 visible = jnp.broadcast_to(np.tril(eye)[i:i + 1], (b, 1, eye.shape[1]))
@@ -646,7 +660,7 @@ class EagleDrafter:
         dl = jnp.concatenate([jnp.stack(q_logits, axis=1), jnp.zeros((b, 1, v), jnp.float32)],
                              axis=1)
         return Proposal(tokens, chain_parents(b, self.n_nodes), jnp.ones((b, self.n_nodes), bool),
-                        dl)
+                        dl, jnp.exp(jnp.stack(lp, axis=1)))
 
 
 def drafter_params(own: dict, target_params: dict) -> dict:

@@ -16,6 +16,14 @@ the most recent) each propose a chain, giving a tree of chains that share the ro
 
 The proposals are deterministic (no draft distribution), so sampled rows are verified with the
 deterministic-proposal rule, which is lossless for them.
+
+**Confidence.** Prompt lookup has no probabilities, so each row learns its own: for every match
+length g it counts, over its recent verified cycles, how many drafts of the best branch were
+tried and how many accepted (a draft is tried when all before it were accepted), decayed by
+``DECAY`` per update. Their ratio, with one tried and half an accepted draft as prior, is the
+rate r_g at which a draft after a g-token match is accepted given its parent was; node d of a
+branch with match length g then has confidence r_g^d, times (1 - r) of every better branch's
+first draft for the other branches.
 """
 
 from __future__ import annotations
@@ -25,8 +33,27 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from specjax.drafters.base import Context, Proposal
+from specjax.drafters.base import Accepted, Context, Proposal
 from specjax.tree import StaticTree
+
+DECAY = 0.9  # weight of a row's older verified cycles in its acceptance counts, per update
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class NgramState:
+    """Each row's acceptance counts by match length (module docstring).
+
+    Attributes:
+      tried: [B, G + 1] float32 decayed counts of verified drafts of the best branch, by its
+        match length g (index 0 unused).
+      accepted: [B, G + 1] float32 decayed counts of those accepted.
+      match: [B, R] int32 match length of each branch of the last proposal (0: none).
+    """
+
+    tried: jax.Array
+    accepted: jax.Array
+    match: jax.Array
 
 
 def chains_tree(branches: int, draft_len: int) -> StaticTree:
@@ -91,10 +118,17 @@ class NgramDrafter:
     def check_target(self, target) -> None:
         """Any target works: the drafts come from the row's own tokens."""
 
-    def init(self, params, prefill):
-        return ()
+    def init(self, params, prefill) -> NgramState:
+        b = prefill.prompt.shape[0]
+        counts = jnp.zeros((b, self.max_ngram + 1), jnp.float32)
+        return NgramState(counts, counts, jnp.zeros((b, self.branches), jnp.int32))
 
-    def propose(self, params, dstate, ctx: Context, rng) -> tuple[Proposal, tuple]:
+    def rates(self, state: NgramState) -> jax.Array:
+        """[B, G + 1] each row's estimated acceptance rate of a draft after a g-token match,
+        given its parent was accepted."""
+        return (state.accepted + 0.5) / (state.tried + 1.0)
+
+    def propose(self, params, state: NgramState, ctx: Context, rng):
         """Looks up each row's suffix; rows without a match propose only the root."""
         seq, seq_len = ctx.seq, ctx.seq_len
         b, w = seq.shape
@@ -122,7 +156,34 @@ class NgramDrafter:
         node_valid = jnp.concatenate([jnp.ones((b, 1), bool), valid.reshape(b, -1)], axis=1)
         parents = jnp.broadcast_to(jnp.asarray(self.static_tree.parents, jnp.int32),
                                    (b, self.n_nodes))
-        return Proposal(tokens=tokens, parents=parents, node_valid=node_valid), dstate
+        match = jnp.where(found, top_score // w, 0).astype(jnp.int32)  # [B, R]
+        r = jnp.take_along_axis(self.rates(state), match, axis=1)  # [B, R]
+        # A later branch is reached only when every better branch's first draft fails.
+        reach = jnp.cumprod(jnp.pad(1 - r, ((0, 0), (1, 0)), constant_values=1.0), axis=1)
+        conf = reach[:, :-1, None] * r[..., None] ** (offs + 1)  # [B, R, K]
+        confidence = jnp.concatenate([jnp.ones((b, 1)), conf.reshape(b, -1)], axis=1)
+        return (Proposal(tokens=tokens, parents=parents, node_valid=node_valid,
+                         confidence=jnp.where(node_valid, confidence, 0.0)),
+                dataclasses.replace(state, match=match))
 
-    def commit(self, params, dstate, ctx, accepted):
-        return dstate
+    def skip(self, params, state, ctx):
+        """Nothing to catch up: the drafts come from the committed sequence itself."""
+        return state
+
+    def commit(self, params, state: NgramState, ctx, accepted: Accepted) -> NgramState:
+        """Counts the best branch's verified drafts: those tried (up to and including the
+        first rejected one) and those accepted."""
+        k = self.draft_len
+        if k == 0:
+            return state
+        verified = jnp.sum(accepted.proposal.node_valid[:, 1:1 + k], axis=1)  # [B]
+        on_best = accepted.path[:, 1] == 1  # the accepted path runs through branch 0
+        acc = jnp.where(on_best, accepted.n_accepted, 0).astype(jnp.float32)
+        tried = jnp.minimum(acc + 1, verified)
+        update = (verified > 0) & (accepted.n_committed > 0)
+        g = state.match[:, 0]
+        hot = (jnp.arange(self.max_ngram + 1)[None, :] == g[:, None]) & update[:, None]
+        decay = jnp.where(update[:, None], DECAY, 1.0)
+        return dataclasses.replace(
+            state, tried=decay * state.tried + jnp.where(hot, tried[:, None], 0.0),
+            accepted=decay * state.accepted + jnp.where(hot, acc[:, None], 0.0))

@@ -64,6 +64,17 @@ class LoadedModel:
     tokenizer: Tokenizer | None
 
 
+SHIPPED = Path(__file__).resolve().parents[2] / "checkpoints"  # the repository's drafters
+
+
+def shipped_drafter(model: str, method: str) -> Path:
+    """The drafter shipped in ``checkpoints/`` for a known model name and method."""
+    path = SHIPPED / f"{model}-{method}"
+    if not (path / "config.json").exists():
+        raise ValueError(f"no {method} drafter is shipped for {model!r} (looked in {path}); "
+                         f"train one with 'specjax train {method}' and pass --drafter DIR")
+    return path
+
 def _accepted() -> str:
     return (f"known names: {', '.join(sorted(KNOWN_MODELS))}; or a directory with config.json "
             "(HF Llama/Qwen3 checkpoint), or a .gguf file")
@@ -139,3 +150,14 @@ def load(name_or_path: str | Path, dtype: str = "float32",
     if row_weights:
         params = with_row_weights(params)
     return LoadedModel(cfg, params, tokenizer)
+
+
+def shrunk(model: LoadedModel, *, n_layers: int = 4, d_model: int = 64, seed: int = 0) -> LoadedModel:
+    """A random model with ``model``'s vocabulary, tokenizer and architecture but tiny width
+    and depth (4 query / 2 key-value heads): what notebooks and smoke runs use in their reduced
+    mode, so text prompts, chat templates and stop tokens work as with the real model."""
+    from specjax.models import target
+
+    cfg = model.cfg.replace(n_layers=n_layers, d_model=d_model, n_heads=4, n_kv_heads=2,
+                            head_dim=d_model // 4, d_ff=2 * d_model)
+    return LoadedModel(cfg, target.init_params(cfg, seed, scale=0.5), model.tokenizer)

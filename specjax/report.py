@@ -1,0 +1,97 @@
+"""Benchmark records (:mod:`specjax.sweep`) as JSONL, a markdown table and PNG plots."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+
+def write_jsonl(records: Sequence[dict], path: str | Path) -> None:
+    """One JSON object per line."""
+    Path(path).write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+def read_jsonl(path: str | Path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def _num(x, fmt: str) -> str:
+    return "-" if x is None else format(x, fmt)
+
+
+def markdown(records: Sequence[dict]) -> str:
+    """A markdown table, one row per record, grouped by (set, temperature, batch) as run."""
+    head = ("| set | T | batch | method | tok/s | speedup | τ | TTFT ms | TPOT ms p50 / p95 / p99 "
+            "| drafted | nodes/cycle | draft / verify / other ms | peak MB | = plain |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in records:
+        tp = r["tpot_ms"]
+        split = r["split_ms"]
+        same = r["same_as_plain"]
+        tpot = "-" if tp is None else f"{tp['p50']:.1f} / {tp['p95']:.1f} / {tp['p99']:.1f}"
+        lines.append(
+            f"| {r['set']} | {r['temperature']:g} | {r['batch']} | {r['method']} "
+            f"| {r['tok_s']:.1f} | {r['speedup']:.2f}x | {r['tau']:.2f} "
+            f"| {_num(r['ttft_ms'], '.0f')} | {tpot} "
+            f"| {_num(r['drafted'], '.0%')} | {_num(r['verified'], '.1f')} "
+            f"| {'-' if split is None else '{draft:.1f} / {verify:.1f} / {other:.1f}'.format(**split)} "
+            f"| {_num(r['peak_mb'], '.0f')} | {'-' if same is None else ('yes' if same else 'NO')} |")
+    return "\n".join(lines)
+
+
+def summary(records: Sequence[dict]) -> str:
+    """Per method: its mean speedup over the cells and its worst cell."""
+    by = {}
+    for r in records:
+        by.setdefault(r["method"], []).append(r)
+    lines = ["| method | mean speedup | worst cell | mean τ |", "|---|---|---|---|"]
+    for name, rs in by.items():
+        worst = min(rs, key=lambda r: r["speedup"])
+        mean = sum(r["speedup"] for r in rs) / len(rs)
+        tau = sum(r["tau"] for r in rs) / len(rs)
+        lines.append(f"| {name} | {mean:.2f}x | {worst['speedup']:.2f}x ({worst['set']}, "
+                     f"T={worst['temperature']:g}, batch {worst['batch']}) | {tau:.2f} |")
+    return "\n".join(lines)
+
+
+def plot(records: Sequence[dict], path: str | Path) -> None:
+    """:func:`figure` saved as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig = figure(records)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def figure(records: Sequence[dict]):
+    """Speedup and τ per prompt set, one bar per method, one row of panels per (temperature,
+    batch): a matplotlib Figure."""
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    groups = sorted({(r["temperature"], r["batch"]) for r in records})
+    sets = list(dict.fromkeys(r["set"] for r in records))
+    names = list(dict.fromkeys(r["method"] for r in records))
+    fig, axes = plt.subplots(len(groups), 2, figsize=(12, 3.6 * len(groups)), squeeze=False)
+    width = 0.8 / len(names)
+    for row, (t, b) in enumerate(groups):
+        cell = {(r["method"], r["set"]): r for r in records
+                if r["temperature"] == t and r["batch"] == b}
+        for col, (field, label) in enumerate((("speedup", "speedup over plain"), ("tau", "τ"))):
+            ax = axes[row, col]
+            x = np.arange(len(sets))
+            for i, name in enumerate(names):
+                ys = [cell[name, s][field] if (name, s) in cell else np.nan for s in sets]
+                ax.bar(x + (i - (len(names) - 1) / 2) * width, ys, width, label=name)
+            if field == "speedup":
+                ax.axhline(1.0, color="black", linewidth=0.8)
+            ax.set_xticks(x, sets)
+            ax.set_ylabel(label)
+            ax.set_title(f"T = {t:g}, batch {b}")
+    axes[0, 0].legend(fontsize=7, loc="best")
+    fig.tight_layout()
+    return fig

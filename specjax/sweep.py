@@ -1,0 +1,253 @@
+"""The benchmark sweep behind ``specjax bench`` and the notebooks: methods x prompt sets x
+temperatures x batch sizes, one record per cell.
+
+A cell runs every request of one prompt set (its prompts cycled to fill batches of the cell's
+size) through one method, twice per request and the faster kept (``repeats``): the whole
+generation, and a one-token generation whose time is the time to first token (prefill plus the
+first sample, and the drafter's ``init``). The rest of a request's time, divided by its rows'
+tokens past the first, is its time per output token; percentiles run over the requests. Plain
+decoding runs first in every (set, temperature, batch) group, so a cell's ``speedup`` is its
+tokens per second over plain decoding's measured beside it.
+
+Executables are shared: prompts are padded to a coarse width (``WIDTH_BUCKET``), so each
+method compiles once per width and batch size, and compilation happens before timing.
+
+**Time split.** A cycle's time is split by separately jitted measurements of its stages: the
+drafter's ``propose`` alone (:func:`specjax.calibrate.measure_draft_cost`), and a verify pass
+at the cell's mean verified width (:func:`specjax.calibrate.measure_verify_costs`); what is
+left of the cycle (commit, the drafter's commit, bookkeeping) is ``other``. Peak memory is
+XLA's figure for the compiled generation call.
+
+Record fields (latency fields None when ``run(latency=False)``): ``method``, ``cost_aware``, ``set``, ``temperature``, ``batch``, ``requests``,
+``prompt_tokens`` (mean), ``new_tokens`` (total), ``ttft_ms`` (p50), ``tpot_ms`` ({p50, p95,
+p99}), ``tok_s``, ``speedup``, ``tau``, ``acceptance`` (P(accepted >= k) for k = 1..D),
+``drafted`` (fraction of cycles that drafted), ``verified`` (nodes per cycle), ``fallbacks``,
+``split_ms`` ({draft, verify, other} per cycle), ``peak_mb``, ``same_as_plain`` (greedy
+cells: whether every row's tokens equal plain decoding's; None when sampled).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from specjax import api, calibrate, metrics
+
+WIDTH_BUCKET = 256  # prompts pad to a multiple of this: few executables, little padding waste
+
+
+@dataclasses.dataclass(frozen=True)
+class Method:
+    """One decoding configuration of a sweep.
+
+    Attributes:
+      name: its label in records and tables (e.g. ``"dflash B=8"``).
+      drafter: a static drafter, or None for plain decoding.
+      dparams: the drafter's params.
+      cost_aware: run under the cost-aware harness (:mod:`specjax.harness`) with a cost table
+        measured on this machine (cached, :func:`specjax.calibrate.drafter_cost_table`).
+    """
+
+    name: str
+    drafter: Any = None
+    dparams: Any = None
+    cost_aware: bool = False
+
+    def twin(self) -> Method:
+        """The same drafter under the cost-aware harness."""
+        return dataclasses.replace(self, name=f"{self.name} cost-aware", cost_aware=True)
+
+
+def methods(model, names: Sequence[str], *, model_name: str, cost_aware: str = "both",
+            draft_len: int = 4, draft_layers: int = 4, tree_nodes: int = 16,
+            block: int | None = None, eagle_dir=None, dflash_dir=None) -> list[Method]:
+    """The :class:`Method` list of ``names`` (plain, ngram, draft-model, eagle3, eagle1,
+    dflash, ddtree) for ``model`` (a :class:`specjax.io.models.LoadedModel`).
+
+    Args:
+      model_name: the model's name, for the shipped EAGLE/DFlash drafters.
+      cost_aware: ``"fixed"`` (each drafter at its fixed budget), ``"harness"`` (cost-aware
+        only) or ``"both"``.
+      draft_len, draft_layers: n-gram and draft-model chains.
+      tree_nodes: EAGLE dynamic tree and DDTree sizes, root included.
+      block: the DFlash chain's block (default: the drafter's trained one).
+      eagle_dir, dflash_dir: drafter directories (default: the ones shipped for the model).
+    Raises:
+      ValueError: an unknown name, or a drafter that cannot be loaded or does not fit.
+    """
+    from specjax.drafters import dflash, eagle
+    from specjax.drafters.draft_model import DraftModelDrafter
+    from specjax.drafters.ngram import NgramDrafter
+    from specjax.io import official
+    from specjax.io.models import shipped_drafter
+    from specjax.targets import DecoderTarget
+
+    if cost_aware not in ("fixed", "harness", "both"):
+        raise ValueError(f"cost_aware must be fixed, harness or both, got {cost_aware!r}")
+    cfg, params = model.cfg, model.params
+    tgt = DecoderTarget(cfg)
+    out = []
+    for name in names:
+        if name == "plain":
+            out.append(Method("plain"))
+            continue
+        if name == "ngram":
+            m = Method(f"ngram k={draft_len}", NgramDrafter(draft_len=draft_len))
+        elif name == "draft-model":
+            d, dp = DraftModelDrafter.from_target_layers(cfg, params, draft_layers, draft_len)
+            m = Method(f"draft-model L={draft_layers} k={draft_len}", d, dp)
+        elif name in ("eagle3", "eagle1"):
+            ecfg, own = official.load_eagle(eagle_dir or shipped_drafter(model_name, name), cfg,
+                                            dtype=cfg.dtype)
+            tree = eagle.DynamicTree(tree_nodes, min(5, tree_nodes - 1), 4)
+            m = Method(f"{name} tree N={tree_nodes}", eagle.EagleDrafter(ecfg, tgt, tree),
+                       eagle.drafter_params(own, params))
+        elif name in ("dflash", "ddtree"):
+            dcfg, own = official.load_dflash(dflash_dir or shipped_drafter(model_name, "dflash"),
+                                             cfg, dtype=cfg.dtype)
+            dp = dflash.drafter_params(own, params)
+            if name == "dflash":
+                d = dflash.DFlashDrafter(dcfg, tgt, block=block)
+                m = Method(f"dflash B={d.block_size}", d, dp)
+            else:
+                m = Method(f"ddtree N={tree_nodes}",
+                           dflash.DFlashDrafter(dcfg, tgt, dflash.DDTree(tree_nodes)), dp)
+        else:
+            raise ValueError(f"unknown method {name!r}; choose from plain, ngram, draft-model, "
+                             "eagle3, eagle1, dflash, ddtree")
+        if cost_aware in ("fixed", "both"):
+            out.append(m)
+        if cost_aware in ("harness", "both"):
+            out.append(m.twin())
+    return out
+
+
+def _requests(ids: Sequence[list[int]], batch: int) -> list[list[list[int]]]:
+    """The prompts cycled into batches of ``batch`` rows, every prompt at least once."""
+    n = -(-len(ids) // batch) * batch
+    rows = [ids[i % len(ids)] for i in range(n)]
+    return [rows[i:i + batch] for i in range(0, n, batch)]
+
+
+def run(model, prompt_sets: Mapping[str, Sequence[str]], method_list: Sequence[Method], *,
+        temperatures: Sequence[float] = (0.0,), batches: Sequence[int] = (1,),
+        max_new_tokens: int = 128, repeats: int = 2, seed: int = 0, model_name: str = "",
+        latency: bool = True, progress: Callable[[str], None] | None = None) -> list[dict]:
+    """Runs the sweep (module docstring) and returns its records, one per cell.
+
+    Args:
+      model: a :class:`specjax.io.models.LoadedModel` with a tokenizer (prompts are chat
+        turns).
+      prompt_sets: {set name: prompts}.
+      method_list: the configurations; plain decoding is added first when absent.
+      temperatures, batches: the other axes.
+      max_new_tokens: new tokens per row at most (stop tokens end rows early).
+      repeats: timed runs per request, the fastest kept.
+      model_name: the model's name in the cost tables' keys (cost-aware methods).
+      latency: measure time to first token, time per output token and the time split
+        (a second executable per method and a draft-cost measurement); False leaves them None
+        (sweeps of τ and speedup compile half as much).
+      progress: optional callable, given a short description after each cell.
+    """
+    cfg, params, tok = model.cfg, model.params, model.tokenizer
+    if tok is None:
+        raise ValueError("the sweep needs a model with a tokenizer (its prompts are chat turns)")
+    if not any(m.drafter is None for m in method_list):
+        method_list = [Method("plain"), *method_list]
+    method_list = sorted(method_list, key=lambda m: m.drafter is not None)  # plain first
+    encoded = {name: [tok.encode_chat([{"role": "user", "content": p}]) for p in ps]
+               for name, ps in prompt_sets.items()}
+    widest = max([m.drafter.n_nodes for m in method_list if m.drafter is not None] + [2])
+    all_lengths = [len(p) for ids in encoded.values() for p in ids]
+    context = calibrate.cost_context(int(np.mean(all_lengths)), max_new_tokens)
+    report = progress or (lambda s: None)
+    stops = tuple(tok.eos_ids)
+    records = []
+    verify_curves, draft_ms, budgets = {}, {}, {}
+    nodes = sorted({1, 2, widest} | {n for n in (4, 8, 16, 32, 64) if n < widest})
+    for b in batches:
+        # One verify curve per batch size: the time split's, and the cost tables'.
+        if widest > 2 and (latency or any(m.cost_aware for m in method_list)):
+            verify_curves[b] = calibrate.measure_verify_costs(cfg, params, nodes,
+                                                              context=context, batch=b)
+        for m in method_list:
+            if m.cost_aware:
+                table, _ = calibrate.drafter_cost_table(
+                    cfg, params, m.drafter, m.dparams, batch=b, context=context,
+                    key=dict(model=model_name or repr(cfg), drafter=repr(m.drafter)),
+                    verify_costs=verify_curves[b])
+                budgets[m.name, b] = table.budget()
+        for set_name, ids in encoded.items():
+            reqs = _requests(ids, b)
+            width = api.round_up(max(len(p) for p in ids), WIDTH_BUCKET)
+            cache = api.round_up(width + max_new_tokens + widest + 1, api.CACHE_MULTIPLE)
+            for t in temperatures:
+                plain_rate, plain_tokens = None, None
+                for m in method_list:
+                    kw = dict(cache_size=cache, drafter=m.drafter, drafter_params=m.dparams,
+                              temperature=t, prompt_width=width, seed=seed,
+                              stop_tokens=stops, budget=budgets.get((m.name, b)))
+                    warm = api.generate_tokens(cfg, params, reqs[0],
+                                               max_new_tokens=max_new_tokens, **kw)
+                    if latency:
+                        api.generate_tokens(cfg, params, reqs[0], max_new_tokens=1, **kw)
+                    ttft, tpot, total_s, new_tokens, outs = [], [], 0.0, 0, []
+                    hist, cycles, drafted, verified, fallbacks = None, 0, 0, 0, 0
+                    for req in reqs:
+                        full = min((api.generate_tokens(cfg, params, req,
+                                                        max_new_tokens=max_new_tokens, **kw)
+                                    for _ in range(repeats)), key=lambda r: r.run_s)
+                        if latency:
+                            first = min(api.generate_tokens(cfg, params, req, max_new_tokens=1,
+                                                            **kw).run_s for _ in range(repeats))
+                            ttft.append(first)
+                            longest = max(len(x) for x in full.tokens)
+                            tpot.append(max(full.run_s - first, 0.0) / max(longest - 1, 1))
+                        total_s += full.run_s
+                        new_tokens += full.n_tokens
+                        outs.extend(full.tokens)
+                        st = full.stats
+                        if st is not None:
+                            h = np.asarray(st.accept_hist).sum(0)
+                            hist = h if hist is None else hist + h
+                            cycles += int(st.cycles.sum())
+                            drafted += int(st.drafted.sum())
+                            verified += int(st.verified.sum())
+                            fallbacks += int(st.fallbacks.sum())
+                    rate = new_tokens / total_s
+                    if m.drafter is None:
+                        plain_rate, plain_tokens = rate, outs
+                    split = None
+                    if latency and m.drafter is not None and cycles:
+                        key = (m.name, b)  # measured at the first set's width
+                        if key not in draft_ms:
+                            draft_ms[key] = 1e3 * calibrate.measure_draft_cost(
+                                cfg, params, m.drafter, m.dparams, reqs[0], cache, t,
+                                width=width)
+                        decode_s = total_s - sum(ttft)
+                        d = draft_ms[key] * drafted / cycles
+                        v = 1e3 * verify_curves[b].at(verified / cycles)
+                        split = dict(draft=d, verify=v,
+                                     other=max(1e3 * decode_s / cycles - d - v, 0.0))
+                    greedy = t == 0
+                    records.append(dict(
+                        method=m.name, cost_aware=m.cost_aware, set=set_name, temperature=t,
+                        batch=b, requests=len(reqs),
+                        prompt_tokens=float(np.mean([len(p) for r in reqs for p in r])),
+                        new_tokens=new_tokens,
+                        ttft_ms=1e3 * float(np.median(ttft)) if latency else None,
+                        tpot_ms={f"p{q:g}": 1e3 * v for q, v in
+                                 metrics.percentiles(tpot).items()} if latency else None,
+                        tok_s=rate, speedup=rate / plain_rate,
+                        tau=1.0 if hist is None else metrics.tau(hist),
+                        acceptance=[] if hist is None else metrics.acceptance_by_position(hist),
+                        drafted=None if not cycles else drafted / cycles,
+                        verified=None if not cycles else verified / cycles,
+                        fallbacks=fallbacks, split_ms=split,
+                        peak_mb=None if warm.peak_bytes is None else warm.peak_bytes / 2 ** 20,
+                        same_as_plain=(outs == plain_tokens) if greedy else None))
+                    report(f"{m.name} | {set_name} | T={t:g} | batch {b}")
+    return records
