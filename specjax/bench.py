@@ -16,7 +16,11 @@ Engines (an engine whose package is missing is skipped with a printed note):
   ``transformers``, the ``test`` extra), built from the very same params.
 * ``llamacpp``: llama.cpp through ``llama-cpp-python`` (the ``llamacpp`` extra; it compiles from
   source for ~10 minutes and is never needed by the tests). It reads an F32 GGUF of the very same
-  params that :func:`llamacpp_gguf` writes once into the specjax cache directory.
+  params that :func:`specjax.engines.llamacpp_gguf` writes once into the specjax cache
+  directory.
+
+The engines live in :mod:`specjax.engines`, the roofline in :mod:`specjax.roofline`, prompt
+files are read by :func:`specjax.suite.load_prompts`; this module runs the protocol.
 
 Protocol -- what is compared, and why it is fair:
 
@@ -53,24 +57,23 @@ Protocol -- what is compared, and why it is fair:
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import importlib.metadata
 import json
 import os
 import shlex
 import sys
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Protocol
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from specjax import api
-from specjax.config import ModelConfig
+from specjax.engines import (Engine, HFEngine, LlamaCppEngine, SpecjaxEngine, Timing,
+                             llamacpp_gguf)
 from specjax.io.layout import without_row_weights
+from specjax.roofline import bandwidth_probe, decode_weight_bytes
+from specjax.suite import PROMPT_FIELDS, load_prompts
 
 MODEL = "smollm2-135m"
 ENGINES = ("specjax", "specjax-in-out", "hf", "llamacpp")
@@ -82,279 +85,9 @@ DEFAULT_PROMPTS = (
     "What are the main differences between a list and a tuple in Python?",
     "Describe the water cycle in a few sentences.",
 )
-# JSONL fields tried in order: GSM8K, MT-Bench (first turn), MATH-500, MBPP, HumanEval.
-PROMPT_FIELDS = ("question", "turns", "problem", "text", "prompt")
-WARMUP_TOKENS = 8  # HF and llama.cpp compile nothing; a short run warms allocators and threads
-
-
-@dataclasses.dataclass(frozen=True)
-class Timing:
-    """One timed generation.
-
-    Attributes:
-      tokens: the N generated ids.
-      first_s: seconds from the call to the first new token (prefill + one sampling step).
-      total_s: seconds from the call to all N tokens.
-    """
-
-    tokens: list[int]
-    first_s: float
-    total_s: float
-
-
-class Engine(Protocol):
-    """A generator under test: ``warmup`` once, then ``generate`` timed requests of exactly
-    ``n`` greedy tokens after the prompt ``ids``."""
-
-    name: str
-
-    def warmup(self, ids: list[int], n: int) -> None: ...
-
-    def generate(self, ids: list[int], n: int) -> Timing: ...
-
-
-# ----------------------------------------------------------------------------------- specjax
-
-
-class SpecjaxEngine:
-    """``api.generate_tokens``; ``first_s`` from a second, one-token run (module docstring).
-
-    Both runs use ``cache_size`` slots, so they differ only in the number of decode steps.
-    """
-
-    name = "specjax"
-
-    def __init__(self, cfg: ModelConfig, params: dict, cache_size: int):
-        self.cfg, self.params, self.cache_size = cfg, params, cache_size
-        self.compile_s = 0.0
-
-    def _run(self, ids, n):
-        out = api.generate_tokens(self.cfg, self.params, [ids], max_new_tokens=n,
-                                  stop_tokens=(), cache_size=self.cache_size)
-        self.compile_s += out.compile_s
-        return out
-
-    def warmup(self, ids, n):
-        self._run(ids, n)
-        self._run(ids, 1)
-
-    def generate(self, ids, n):
-        full = self._run(ids, n)
-        first = self._run(ids, 1)
-        if len(full.tokens[0]) != n:
-            raise RuntimeError(f"specjax produced {len(full.tokens[0])} tokens, expected {n}")
-        return Timing(full.tokens[0], first.run_s, full.run_s)
-
-
-# -------------------------------------------------------------------------------- transformers
-
-
-def hf_llama_from_params(cfg: ModelConfig, params: dict):
-    """An eval-mode float32 ``transformers.LlamaForCausalLM`` holding ``params``.
-
-    Config and tensors come from ``specjax.io.hf``'s name table (``config_to_hf``,
-    ``hf_tensors``), as for a checkpoint written with ``save_hf``; a tied head stays tied to the
-    embedding. The config has no EOS, so ``generate`` never stops early.
-
-    Raises:
-      ValueError: a config this conversion does not cover (Qwen3).
-    """
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-    from transformers.initialization import no_init_weights
-
-    from specjax.io import hf as hf_io
-
-    if cfg.arch != "llama":
-        raise ValueError(f"hf_llama_from_params covers Llama, got arch={cfg.arch!r}")
-    config = LlamaConfig.from_dict({**hf_io.config_to_hf(cfg), "dtype": "float32",
-                                    "bos_token_id": None, "eos_token_id": None,
-                                    "pad_token_id": None})
-    # Writable, contiguous float32 copies: arrays viewed from JAX buffers are read-only, and a
-    # transposed view would make every torch matmul slower.
-    sd = {name: torch.from_numpy(np.array(x, np.float32, order="C", copy=True))
-          for name, x in hf_io.hf_tensors(params, cfg)}
-    with no_init_weights():  # every weight is overwritten below
-        model = LlamaForCausalLM(config)
-    model.load_state_dict(sd, strict=not cfg.tie_embeddings)
-    if cfg.tie_embeddings:
-        model.tie_weights()  # no_init_weights also skipped the tying
-        if model.lm_head.weight is not model.model.embed_tokens.weight:
-            raise RuntimeError("transformers did not tie lm_head to the embedding")
-    return model.float().eval()
-
-
-class HFEngine:
-    """``LlamaForCausalLM.generate(do_sample=False)``; times come from a streamer's calls."""
-
-    name = "hf"
-
-    def __init__(self, cfg: ModelConfig, params: dict, threads: int):
-        import torch
-
-        torch.set_num_threads(threads)
-        self.torch = torch
-        self.model = hf_llama_from_params(cfg, params)
-
-    def _generate(self, ids, n, streamer=None):
-        from transformers import GenerationConfig
-
-        # No EOS anywhere (here or in the model's config), so generation runs exactly n steps.
-        gen = GenerationConfig(do_sample=False, max_new_tokens=n, eos_token_id=None,
-                               pad_token_id=0)
-        x = self.torch.tensor([ids])
-        with self.torch.inference_mode():
-            out = self.model.generate(x, attention_mask=self.torch.ones_like(x),
-                                      generation_config=gen, streamer=streamer)
-        return out[0, len(ids):].tolist()
-
-    def warmup(self, ids, n):
-        self._generate(ids, min(n, WARMUP_TOKENS))
-
-    def generate(self, ids, n):
-        stamps = []
-
-        class Streamer:  # generate() calls put() with the prompt, then with each new token
-            def put(self, value):
-                stamps.append(time.perf_counter())
-
-            def end(self):
-                pass
-
-        t0 = time.perf_counter()
-        tokens = self._generate(ids, n, Streamer())
-        total = time.perf_counter() - t0
-        if len(tokens) != n or len(stamps) != n + 1:
-            raise RuntimeError(f"transformers produced {len(tokens)} tokens with "
-                               f"{len(stamps)} streamer calls, expected {n} and {n + 1}")
-        return Timing(tokens, stamps[1] - t0, total)
-
-
-# ---------------------------------------------------------------------------------- llama.cpp
-
-
-def llamacpp_gguf(source: Path, cfg: ModelConfig, params: dict) -> Path:
-    """The F32 GGUF of ``params`` loaded from ``source``, written on first use.
-
-    It lives beside ``source``'s dequantized-weights cache entry and shares its key, so an
-    edited or replaced source GGUF gets a fresh file. Written by
-    :func:`specjax.io.gguf.write_f32_gguf` to a temporary name and renamed, so an interrupted
-    write leaves nothing behind.
-    """
-    from specjax.io import gguf as gguf_io
-
-    entry = gguf_io.cache_path(source)
-    out = entry.with_name(entry.stem + ".f32.gguf")
-    if not out.exists():
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_name(f".tmp-{os.getpid()}-{out.name}")
-        try:
-            gguf_io.write_f32_gguf(tmp, source, cfg, params)
-            os.replace(tmp, out)
-        finally:
-            tmp.unlink(missing_ok=True)
-    return out
-
-
-class LlamaCppEngine:
-    """``llama_cpp.Llama.generate`` with the greedy sampler over exactly N tokens."""
-
-    name = "llamacpp"
-
-    def __init__(self, model_path: Path, n_ctx: int, threads: int):
-        import gguf
-        from llama_cpp import Llama
-
-        f32 = int(gguf.GGMLQuantizationType.F32)
-        self.llm = Llama(str(model_path), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
-                         type_k=f32, type_v=f32, verbose=False)
-
-    def _stream(self, ids, n, on_token: Callable[[], None] = lambda: None) -> list[int]:
-        # reset() first: otherwise generate() reuses the KV cache of a previous identical
-        # prompt and skips the prefill we mean to time.
-        self.llm.reset()
-        tokens = []
-        for tok in self.llm.generate(ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0,
-                                     repeat_penalty=1.0):
-            tokens.append(int(tok))
-            on_token()
-            if len(tokens) == n:  # generate() never stops by itself, EOS included
-                break
-        return tokens
-
-    def warmup(self, ids, n):
-        self._stream(ids, min(n, WARMUP_TOKENS))
-
-    def generate(self, ids, n):
-        stamps = []
-        t0 = time.perf_counter()
-        tokens = self._stream(ids, n, lambda: stamps.append(time.perf_counter()))
-        return Timing(tokens, stamps[0] - t0, stamps[-1] - t0)
-
-
-# ----------------------------------------------------------------------------------- roofline
-
-
-def bandwidth_probe(gib: float = 1.0, repeats: int = 5) -> Callable[[], float]:
-    """A function measuring memory read bandwidth in bytes/s each time it is called.
-
-    Each call times a jitted ``jnp.sum`` over ``gib`` GiB of float32 (far larger than any cache,
-    so every byte comes from DRAM) ``repeats`` times and keeps the fastest. The array is
-    allocated once and lives as long as the probe, so the benchmark can sample bandwidth
-    between its rounds at the price of ``repeats`` sums (~50 ms each at 20 GB/s).
-    """
-    x = jnp.ones((int(gib * 2**30) // 4,), jnp.float32)
-    total = jax.jit(jnp.sum)
-    total(x).block_until_ready()  # compile, and fault in every page once
-
-    def measure() -> float:
-        best = float("inf")
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            total(x).block_until_ready()
-            best = min(best, time.perf_counter() - t0)
-        return x.nbytes / best
-
-    return measure
-
-
-def decode_weight_bytes(cfg: ModelConfig, params: dict) -> int:
-    """Bytes one decode step must read: every layer tensor, the final norm and the LM head.
-
-    A tied head is the embedding table, counted once; an untied model adds its head and the one
-    embedding row the step looks up. A matrix with a one-row copy (``specjax.io.layout``) counts
-    once: a step reads one of the two.
-    """
-    params = without_row_weights(params)
-    n = sum(x.nbytes for x in jax.tree.leaves(params["layers"])) + params["final_norm"].nbytes
-    if cfg.tie_embeddings:
-        return n + params["embed"].nbytes
-    return n + params["lm_head"].nbytes + params["embed"][0].nbytes
 
 
 # ---------------------------------------------------------------------------------- benchmark
-
-
-def load_prompts(path: str | Path, n: int) -> list[str]:
-    """The first ``n`` prompts of a JSONL file (fields tried: :data:`PROMPT_FIELDS`; for a list
-    such as MT-Bench's ``turns``, its first entry)."""
-    prompts = []
-    with open(path, encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, 1):
-            if len(prompts) == n:
-                break
-            if not line.strip():
-                continue
-            row = json.loads(line)
-            field = next((f for f in PROMPT_FIELDS if f in row), None)
-            if field is None:
-                raise ValueError(f"{path}:{lineno}: no prompt field; expected one of "
-                                 f"{PROMPT_FIELDS}, found {sorted(row)}")
-            value = row[field]
-            prompts.append(value[0] if isinstance(value, list) else value)
-    if not prompts:
-        raise ValueError(f"{path} holds no prompts")
-    return prompts
 
 
 def _first_mismatch(a: Sequence[int], b: Sequence[int]) -> int | None:

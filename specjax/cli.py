@@ -722,17 +722,24 @@ def _add_bench(sub):
                    help="prompts per set (category) at most (default: all)")
     p.add_argument("--temperatures", default="0", help="comma-separated (default: %(default)s)")
     p.add_argument("--batch-sizes", default="1", help="comma-separated (default: %(default)s)")
+    p.add_argument("--contexts", default=None,
+                   help="context lengths in tokens, comma-separated: each prompt behind "
+                        "background text up to that length (0: the prompts as they are; "
+                        "default: 0)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="(default: %(default)s)")
     p.add_argument("--repeats", type=int, default=2,
                    help="timed runs per request, the fastest kept (default: %(default)s)")
-    p.add_argument("--draft-len", type=int, default=4,
-                   help="n-gram and draft-model chain length (default: %(default)s)")
+    p.add_argument("--draft-len", default="4",
+                   help="n-gram and draft-model chain lengths, comma-separated: one fixed "
+                        "budget each, the cost-aware twin at the longest (default: %(default)s)")
     p.add_argument("--draft-layers", type=int, default=4,
                    help="draft-model: target layers kept (default: %(default)s)")
-    p.add_argument("--tree-nodes", type=int, default=16,
-                   help="EAGLE dynamic tree and DDTree size (default: %(default)s)")
-    p.add_argument("--block", type=int, default=None,
-                   help="DFlash chain block (default: the drafter's trained one)")
+    p.add_argument("--tree-nodes", default="16",
+                   help="EAGLE dynamic tree and DDTree sizes, comma-separated (default: "
+                        "%(default)s)")
+    p.add_argument("--block", default=None,
+                   help="DFlash chain blocks, comma-separated (default: the drafter's trained "
+                        "one)")
     p.add_argument("--eagle-drafter", default=None, help="EAGLE drafter directory")
     p.add_argument("--dflash-drafter", default=None, help="DFlash drafter directory")
     p.add_argument("--out", default="bench_out/bench", help="output directory (default: %(default)s)")
@@ -769,17 +776,19 @@ def _bench(args) -> int:
         try:
             methods += sweep.methods(
                 model, [name.strip()], model_name=args.model, cost_aware=args.harness,
-                draft_len=args.draft_len, draft_layers=args.draft_layers,
-                tree_nodes=args.tree_nodes, block=args.block, eagle_dir=args.eagle_drafter,
-                dflash_dir=args.dflash_drafter)
+                draft_lens=_ints(args.draft_len), draft_layers=args.draft_layers,
+                tree_nodes=_ints(args.tree_nodes),
+                blocks=_ints(args.block) if args.block else (None,),
+                eagle_dir=args.eagle_drafter, dflash_dir=args.dflash_drafter)
         except ValueError as e:
             if not args.quick:
                 raise
             print(f"skipping {name}: {e}", file=sys.stderr)
     temps = [float(t) for t in args.temperatures.split(",")]
-    batches = [int(b) for b in args.batch_sizes.split(",")]
+    batches = _ints(args.batch_sizes)
+    contexts = [c or None for c in _ints(args.contexts)] if args.contexts else [None]
     n_methods = len(methods) + (not any(m.drafter is None for m in methods))
-    cells = n_methods * len(sets) * len(temps) * len(batches)
+    cells = n_methods * len(sets) * len(temps) * len(batches) * len(contexts)
     with tqdm(total=cells, unit="cell", desc="bench", disable=args.no_progress,
               file=sys.stderr) as bar:
         def progress(cell):
@@ -787,7 +796,7 @@ def _bench(args) -> int:
             bar.update()
 
         records = sweep.run(model, sets, methods, temperatures=temps, batches=batches,
-                            max_new_tokens=args.max_new_tokens, repeats=args.repeats,
+                            contexts=contexts, max_new_tokens=args.max_new_tokens, repeats=args.repeats,
                             model_name=args.model, progress=progress)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -802,6 +811,14 @@ def _bench(args) -> int:
     print(f"\n[{len(records)} cells; records.jsonl, table.md and bench.png in {out}]",
           file=sys.stderr)
     return 0
+
+
+def _ints(text: str) -> list[int]:
+    """A comma-separated list of integers."""
+    try:
+        return [int(x) for x in str(text).split(",")]
+    except ValueError:
+        raise ValueError(f"expected comma-separated integers, got {text!r}") from None
 
 
 def build_parser() -> argparse.ArgumentParser:

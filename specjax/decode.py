@@ -252,12 +252,11 @@ def _no_proposal(proposal_shape, root: jax.Array) -> Proposal:
     """A proposal of ``proposal_shape``'s structure holding only the root (a plain step):
     chain parents, every other node invalid, zero draft scores, confidence 1 at the root."""
     b, n = proposal_shape.tokens.shape
-    zeros = lambda x: None if x is None else jnp.zeros(x.shape, x.dtype)
     only_root = jnp.broadcast_to(jnp.arange(n)[None, :] == 0, (b, n))
-    conf = proposal_shape.confidence
+    q, conf = proposal_shape.draft_logits, proposal_shape.confidence
     return Proposal(tokens=jnp.zeros((b, n), jnp.int32).at[:, 0].set(root),
                     parents=chain_parents(b, n), node_valid=only_root,
-                    draft_logits=zeros(proposal_shape.draft_logits),
+                    draft_logits=None if q is None else jnp.zeros(q.shape, q.dtype),
                     confidence=None if conf is None else only_root.astype(conf.dtype))
 
 

@@ -21,9 +21,12 @@ def _num(x, fmt: str) -> str:
 
 
 def markdown(records: Sequence[dict]) -> str:
-    """A markdown table, one row per record, grouped by (set, temperature, batch) as run."""
-    head = ("| set | T | batch | method | tok/s | speedup | τ | TTFT ms | TPOT ms p50 / p95 / p99 "
-            "| drafted | nodes/cycle | draft / verify / other ms | peak MB | = plain |")
+    """A markdown table, one row per record, grouped by (set, temperature, batch, context) as
+    run; the context column appears when some record has one."""
+    ctx = any(r.get("context") for r in records)
+    head = ("| set | T | batch |" + (" context |" if ctx else "")
+            + " method | tok/s | speedup | τ | TTFT ms | TPOT ms p50 / p95 / p99 | drafted "
+              "| nodes/cycle | draft / verify / other ms | peak MB | = plain |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in records:
         tp = r["tpot_ms"]
@@ -31,7 +34,8 @@ def markdown(records: Sequence[dict]) -> str:
         same = r["same_as_plain"]
         tpot = "-" if tp is None else f"{tp['p50']:.1f} / {tp['p95']:.1f} / {tp['p99']:.1f}"
         lines.append(
-            f"| {r['set']} | {r['temperature']:g} | {r['batch']} | {r['method']} "
+            f"| {r['set']} | {r['temperature']:g} | {r['batch']} "
+            + (f"| {r.get('context') or '-'} " if ctx else "") + f"| {r['method']} "
             f"| {r['tok_s']:.1f} | {r['speedup']:.2f}x | {r['tau']:.2f} "
             f"| {_num(r['ttft_ms'], '.0f')} | {tpot} "
             f"| {_num(r['drafted'], '.0%')} | {_num(r['verified'], '.1f')} "
@@ -50,8 +54,10 @@ def summary(records: Sequence[dict]) -> str:
         worst = min(rs, key=lambda r: r["speedup"])
         mean = sum(r["speedup"] for r in rs) / len(rs)
         tau = sum(r["tau"] for r in rs) / len(rs)
-        lines.append(f"| {name} | {mean:.2f}x | {worst['speedup']:.2f}x ({worst['set']}, "
-                     f"T={worst['temperature']:g}, batch {worst['batch']}) | {tau:.2f} |")
+        where = f"{worst['set']}, T={worst['temperature']:g}, batch {worst['batch']}"
+        if worst.get("context"):
+            where += f", context {worst['context']}"
+        lines.append(f"| {name} | {mean:.2f}x | {worst['speedup']:.2f}x ({where}) | {tau:.2f} |")
     return "\n".join(lines)
 
 
@@ -69,18 +75,18 @@ def plot(records: Sequence[dict], path: str | Path) -> None:
 
 def figure(records: Sequence[dict]):
     """Speedup and τ per prompt set, one bar per method, one row of panels per (temperature,
-    batch): a matplotlib Figure."""
+    batch, context): a matplotlib Figure."""
     import matplotlib.pyplot as plt
     import numpy as np
 
-    groups = sorted({(r["temperature"], r["batch"]) for r in records})
+    groups = sorted({(r["temperature"], r["batch"], r.get("context") or 0) for r in records})
     sets = list(dict.fromkeys(r["set"] for r in records))
     names = list(dict.fromkeys(r["method"] for r in records))
     fig, axes = plt.subplots(len(groups), 2, figsize=(12, 3.6 * len(groups)), squeeze=False)
     width = 0.8 / len(names)
-    for row, (t, b) in enumerate(groups):
+    for row, (t, b, c) in enumerate(groups):
         cell = {(r["method"], r["set"]): r for r in records
-                if r["temperature"] == t and r["batch"] == b}
+                if r["temperature"] == t and r["batch"] == b and (r.get("context") or 0) == c}
         for col, (field, label) in enumerate((("speedup", "speedup over plain"), ("tau", "τ"))):
             ax = axes[row, col]
             x = np.arange(len(sets))
@@ -91,7 +97,7 @@ def figure(records: Sequence[dict]):
                 ax.axhline(1.0, color="black", linewidth=0.8)
             ax.set_xticks(x, sets)
             ax.set_ylabel(label)
-            ax.set_title(f"T = {t:g}, batch {b}")
+            ax.set_title(f"T = {t:g}, batch {b}" + (f", context {c}" if c else ""))
     axes[0, 0].legend(fontsize=7, loc="best")
     fig.tight_layout()
     return fig

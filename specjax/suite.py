@@ -12,7 +12,7 @@ suite runs in minutes on two cores.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 _ARTICLE = """\
@@ -99,6 +99,59 @@ SUITE: dict[str, list[str]] = {
         "can print documents at the library and what it costs.",
     ],
 }
+
+
+# JSONL fields tried in order: GSM8K, MT-Bench (first turn), MATH-500, MBPP, HumanEval.
+PROMPT_FIELDS = ("question", "turns", "problem", "text", "prompt")
+
+
+def load_prompts(path: str | Path, n: int) -> list[str]:
+    """The first ``n`` prompts of a JSONL file (fields tried: :data:`PROMPT_FIELDS`; for a list
+    such as MT-Bench's ``turns``, its first entry)."""
+    prompts = []
+    with open(path, encoding="utf-8") as fh:
+        for lineno, line in enumerate(fh, 1):
+            if len(prompts) == n:
+                break
+            if not line.strip():
+                continue
+            row = json.loads(line)
+            field = next((f for f in PROMPT_FIELDS if f in row), None)
+            if field is None:
+                raise ValueError(f"{path}:{lineno}: no prompt field; expected one of "
+                                 f"{PROMPT_FIELDS}, found {sorted(row)}")
+            value = row[field]
+            prompts.append(value[0] if isinstance(value, list) else value)
+    if not prompts:
+        raise ValueError(f"{path} holds no prompts")
+    return prompts
+
+
+def with_context(prompts: Sequence[str], count_tokens, tokens: int) -> list[str]:
+    """Each prompt behind background text, so that it holds about ``tokens`` tokens: the
+    context-length axis of a benchmark. The background is the suite's own long texts (the
+    article, the passages, then the other prompts), paragraph by paragraph, each used once
+    before any repeats, until ``count_tokens(prompt)`` reaches ``tokens`` (overshooting by at
+    most one paragraph); a prompt already that long is kept as it is.
+
+    Args:
+      prompts: the prompts.
+      count_tokens: ``text -> its length in tokens`` (e.g. of the chat-encoded text).
+      tokens: the context length to reach.
+    """
+    paragraphs = [p for text in (_ARTICLE, _PASSAGES, *(q for ps in SUITE.values() for q in ps))
+                  for p in text.split("\n\n") if p.strip()]
+    out = []
+    for prompt in prompts:
+        background, i = [], 0
+        text = prompt
+        while count_tokens(text) < tokens:
+            background.append(paragraphs[i % len(paragraphs)])
+            i += 1
+            text = ("Background material (it may or may not be relevant):\n\n"
+                    + "\n\n".join(background) + "\n\n" + prompt)
+        out.append(text)
+    return out
 
 
 def builtin(per_category: int | None = None) -> dict[str, list[str]]:

@@ -1,12 +1,12 @@
 """The benchmark sweep behind ``specjax bench`` and the notebooks: methods x prompt sets x
-temperatures x batch sizes, one record per cell.
+temperatures x batch sizes x context lengths, one record per cell.
 
 A cell runs every request of one prompt set (its prompts cycled to fill batches of the cell's
 size) through one method, twice per request and the faster kept (``repeats``): the whole
 generation, and a one-token generation whose time is the time to first token (prefill plus the
 first sample, and the drafter's ``init``). The rest of a request's time, divided by its rows'
 tokens past the first, is its time per output token; percentiles run over the requests. Plain
-decoding runs first in every (set, temperature, batch) group, so a cell's ``speedup`` is its
+decoding runs first in every (set, temperature, batch, context) group, so a cell's ``speedup`` is its
 tokens per second over plain decoding's measured beside it.
 
 Executables are shared: prompts are padded to a coarse width (``WIDTH_BUCKET``), so each
@@ -18,23 +18,26 @@ at the cell's mean verified width (:func:`specjax.calibrate.measure_verify_costs
 left of the cycle (commit, the drafter's commit, bookkeeping) is ``other``. Peak memory is
 XLA's figure for the compiled generation call.
 
-Record fields (latency fields None when ``run(latency=False)``): ``method``, ``cost_aware``, ``set``, ``temperature``, ``batch``, ``requests``,
-``prompt_tokens`` (mean), ``new_tokens`` (total), ``ttft_ms`` (p50), ``tpot_ms`` ({p50, p95,
-p99}), ``tok_s``, ``speedup``, ``tau``, ``acceptance`` (P(accepted >= k) for k = 1..D),
-``drafted`` (fraction of cycles that drafted), ``verified`` (nodes per cycle), ``fallbacks``,
-``split_ms`` ({draft, verify, other} per cycle), ``peak_mb``, ``same_as_plain`` (greedy
-cells: whether every row's tokens equal plain decoding's; None when sampled).
+Record fields (the latency ones None with ``run(latency=False)``): ``method``,
+``cost_aware``, ``set``, ``temperature``, ``batch``, ``context`` (None: the prompts as they
+are), ``requests``, ``prompt_tokens`` (mean), ``new_tokens`` (total), ``ttft_ms`` (p50),
+``tpot_ms`` ({p50, p95, p99}), ``tok_s``, ``speedup``, ``tau``, ``acceptance`` (P(accepted >=
+k) for k = 1..D), ``drafted`` (fraction of cycles that drafted), ``verified`` (nodes per
+cycle), ``fallbacks``, ``split_ms`` ({draft, verify, other} per cycle), ``peak_mb``,
+``same_as_plain`` (greedy cells: whether every row's tokens equal plain decoding's; None when
+sampled).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
-from specjax import api, calibrate, metrics
+from specjax import api, calibrate, metrics, suite
 
 WIDTH_BUCKET = 256  # prompts pad to a multiple of this: few executables, little padding waste
 
@@ -62,18 +65,21 @@ class Method:
 
 
 def methods(model, names: Sequence[str], *, model_name: str, cost_aware: str = "both",
-            draft_len: int = 4, draft_layers: int = 4, tree_nodes: int = 16,
-            block: int | None = None, eagle_dir=None, dflash_dir=None) -> list[Method]:
+            draft_lens: Sequence[int] = (4,), draft_layers: int = 4,
+            tree_nodes: Sequence[int] = (16,), blocks: Sequence[int | None] = (None,),
+            eagle_dir=None, dflash_dir=None) -> list[Method]:
     """The :class:`Method` list of ``names`` (plain, ngram, draft-model, eagle3, eagle1,
-    dflash, ddtree) for ``model`` (a :class:`specjax.io.models.LoadedModel`).
+    dflash, ddtree) for ``model`` (a :class:`specjax.io.models.LoadedModel`): each drafter at
+    every size given (its fixed budgets), and its cost-aware twin at the largest (whose
+    buckets include every smaller budget).
 
     Args:
       model_name: the model's name, for the shipped EAGLE/DFlash drafters.
-      cost_aware: ``"fixed"`` (each drafter at its fixed budget), ``"harness"`` (cost-aware
+      cost_aware: ``"fixed"`` (the fixed budgets only), ``"harness"`` (the cost-aware twins
         only) or ``"both"``.
-      draft_len, draft_layers: n-gram and draft-model chains.
+      draft_lens, draft_layers: n-gram and draft-model chain lengths; the draft model's depth.
       tree_nodes: EAGLE dynamic tree and DDTree sizes, root included.
-      block: the DFlash chain's block (default: the drafter's trained one).
+      blocks: DFlash chain blocks (None: the drafter's trained one).
       eagle_dir, dflash_dir: drafter directories (default: the ones shipped for the model).
     Raises:
       ValueError: an unknown name, or a drafter that cannot be loaded or does not fit.
@@ -89,39 +95,46 @@ def methods(model, names: Sequence[str], *, model_name: str, cost_aware: str = "
         raise ValueError(f"cost_aware must be fixed, harness or both, got {cost_aware!r}")
     cfg, params = model.cfg, model.params
     tgt = DecoderTarget(cfg)
+
+    def sizes(name):
+        """[Method] of ``name``, one per size, ascending."""
+        if name == "ngram":
+            return [Method(f"ngram k={k}", NgramDrafter(draft_len=k)) for k in sorted(draft_lens)]
+        if name == "draft-model":
+            out = []
+            for k in sorted(draft_lens):
+                d, dp = DraftModelDrafter.from_target_layers(cfg, params, draft_layers, k)
+                out.append(Method(f"draft-model L={draft_layers} k={k}", d, dp))
+            return out
+        if name in ("eagle3", "eagle1"):
+            ecfg, own = official.load_eagle(eagle_dir or shipped_drafter(model_name, name), cfg,
+                                            dtype=cfg.dtype)
+            dp = eagle.drafter_params(own, params)
+            return [Method(f"{name} tree N={n}", eagle.EagleDrafter(
+                ecfg, tgt, eagle.DynamicTree(n, min(5, n - 1), 4)), dp) for n in sorted(tree_nodes)]
+        if name in ("dflash", "ddtree"):
+            dcfg, own = official.load_dflash(dflash_dir or shipped_drafter(model_name, "dflash"),
+                                             cfg, dtype=cfg.dtype)
+            dp = dflash.drafter_params(own, params)
+            if name == "ddtree":
+                return [Method(f"ddtree N={n}", dflash.DFlashDrafter(dcfg, tgt, dflash.DDTree(n)),
+                               dp) for n in sorted(tree_nodes)]
+            drafters = sorted((dflash.DFlashDrafter(dcfg, tgt, block=bk) for bk in blocks),
+                              key=lambda d: d.block_size)
+            return [Method(f"dflash B={d.block_size}", d, dp) for d in drafters]
+        raise ValueError(f"unknown method {name!r}; choose from plain, ngram, draft-model, "
+                         "eagle3, eagle1, dflash, ddtree")
+
     out = []
     for name in names:
         if name == "plain":
             out.append(Method("plain"))
             continue
-        if name == "ngram":
-            m = Method(f"ngram k={draft_len}", NgramDrafter(draft_len=draft_len))
-        elif name == "draft-model":
-            d, dp = DraftModelDrafter.from_target_layers(cfg, params, draft_layers, draft_len)
-            m = Method(f"draft-model L={draft_layers} k={draft_len}", d, dp)
-        elif name in ("eagle3", "eagle1"):
-            ecfg, own = official.load_eagle(eagle_dir or shipped_drafter(model_name, name), cfg,
-                                            dtype=cfg.dtype)
-            tree = eagle.DynamicTree(tree_nodes, min(5, tree_nodes - 1), 4)
-            m = Method(f"{name} tree N={tree_nodes}", eagle.EagleDrafter(ecfg, tgt, tree),
-                       eagle.drafter_params(own, params))
-        elif name in ("dflash", "ddtree"):
-            dcfg, own = official.load_dflash(dflash_dir or shipped_drafter(model_name, "dflash"),
-                                             cfg, dtype=cfg.dtype)
-            dp = dflash.drafter_params(own, params)
-            if name == "dflash":
-                d = dflash.DFlashDrafter(dcfg, tgt, block=block)
-                m = Method(f"dflash B={d.block_size}", d, dp)
-            else:
-                m = Method(f"ddtree N={tree_nodes}",
-                           dflash.DFlashDrafter(dcfg, tgt, dflash.DDTree(tree_nodes)), dp)
-        else:
-            raise ValueError(f"unknown method {name!r}; choose from plain, ngram, draft-model, "
-                             "eagle3, eagle1, dflash, ddtree")
+        ms = sizes(name)
         if cost_aware in ("fixed", "both"):
-            out.append(m)
+            out += ms
         if cost_aware in ("harness", "both"):
-            out.append(m.twin())
+            out.append(ms[-1].twin())
     return out
 
 
@@ -134,8 +147,8 @@ def _requests(ids: Sequence[list[int]], batch: int) -> list[list[list[int]]]:
 
 def run(model, prompt_sets: Mapping[str, Sequence[str]], method_list: Sequence[Method], *,
         temperatures: Sequence[float] = (0.0,), batches: Sequence[int] = (1,),
-        max_new_tokens: int = 128, repeats: int = 2, seed: int = 0, model_name: str = "",
-        latency: bool = True, progress: Callable[[str], None] | None = None) -> list[dict]:
+        contexts: Sequence[int | None] = (None,), max_new_tokens: int = 128, repeats: int = 2,
+        seed: int = 0, model_name: str = "", latency: bool = True, progress: Callable[[str], None] | None = None) -> list[dict]:
     """Runs the sweep (module docstring) and returns its records, one per cell.
 
     Args:
@@ -144,6 +157,8 @@ def run(model, prompt_sets: Mapping[str, Sequence[str]], method_list: Sequence[M
       prompt_sets: {set name: prompts}.
       method_list: the configurations; plain decoding is added first when absent.
       temperatures, batches: the other axes.
+      contexts: context lengths in tokens: each prompt behind background text up to that
+        length (:func:`specjax.suite.with_context`); None: the prompts as they are.
       max_new_tokens: new tokens per row at most (stop tokens end rows early).
       repeats: timed runs per request, the fastest kept.
       model_name: the model's name in the cost tables' keys (cost-aware methods).
@@ -158,28 +173,32 @@ def run(model, prompt_sets: Mapping[str, Sequence[str]], method_list: Sequence[M
     if not any(m.drafter is None for m in method_list):
         method_list = [Method("plain"), *method_list]
     method_list = sorted(method_list, key=lambda m: m.drafter is not None)  # plain first
-    encoded = {name: [tok.encode_chat([{"role": "user", "content": p}]) for p in ps]
-               for name, ps in prompt_sets.items()}
+    def chat(text):
+        return tok.encode_chat([{"role": "user", "content": text}])
+
     widest = max([m.drafter.n_nodes for m in method_list if m.drafter is not None] + [2])
-    all_lengths = [len(p) for ids in encoded.values() for p in ids]
-    context = calibrate.cost_context(int(np.mean(all_lengths)), max_new_tokens)
     report = progress or (lambda s: None)
     stops = tuple(tok.eos_ids)
     records = []
-    verify_curves, draft_ms, budgets = {}, {}, {}
     nodes = sorted({1, 2, widest} | {n for n in (4, 8, 16, 32, 64) if n < widest})
-    for b in batches:
-        # One verify curve per batch size: the time split's, and the cost tables'.
+    for b, ctx_len in itertools.product(batches, contexts):
+        sets = {name: ps if ctx_len is None else
+                suite.with_context(ps, lambda x: len(chat(x)), ctx_len)
+                for name, ps in prompt_sets.items()}
+        encoded = {name: [chat(p) for p in ps] for name, ps in sets.items()}
+        context = calibrate.cost_context(
+            int(np.mean([len(p) for ids in encoded.values() for p in ids])), max_new_tokens)
+        # One verify curve per batch size and context: the time split's and the cost tables'.
+        curve, draft_ms, budgets = None, {}, {}
         if widest > 2 and (latency or any(m.cost_aware for m in method_list)):
-            verify_curves[b] = calibrate.measure_verify_costs(cfg, params, nodes,
-                                                              context=context, batch=b)
+            curve = calibrate.measure_verify_costs(cfg, params, nodes, context=context, batch=b)
         for m in method_list:
             if m.cost_aware:
                 table, _ = calibrate.drafter_cost_table(
                     cfg, params, m.drafter, m.dparams, batch=b, context=context,
                     key=dict(model=model_name or repr(cfg), drafter=repr(m.drafter)),
-                    verify_costs=verify_curves[b])
-                budgets[m.name, b] = table.budget()
+                    verify_costs=curve)
+                budgets[m.name] = table.budget()
         for set_name, ids in encoded.items():
             reqs = _requests(ids, b)
             width = api.round_up(max(len(p) for p in ids), WIDTH_BUCKET)
@@ -189,7 +208,7 @@ def run(model, prompt_sets: Mapping[str, Sequence[str]], method_list: Sequence[M
                 for m in method_list:
                     kw = dict(cache_size=cache, drafter=m.drafter, drafter_params=m.dparams,
                               temperature=t, prompt_width=width, seed=seed,
-                              stop_tokens=stops, budget=budgets.get((m.name, b)))
+                              stop_tokens=stops, budget=budgets.get(m.name))
                     warm = api.generate_tokens(cfg, params, reqs[0],
                                                max_new_tokens=max_new_tokens, **kw)
                     if latency:
@@ -222,20 +241,19 @@ def run(model, prompt_sets: Mapping[str, Sequence[str]], method_list: Sequence[M
                         plain_rate, plain_tokens = rate, outs
                     split = None
                     if latency and m.drafter is not None and cycles:
-                        key = (m.name, b)  # measured at the first set's width
-                        if key not in draft_ms:
-                            draft_ms[key] = 1e3 * calibrate.measure_draft_cost(
+                        if m.name not in draft_ms:  # measured at the first set's width
+                            draft_ms[m.name] = 1e3 * calibrate.measure_draft_cost(
                                 cfg, params, m.drafter, m.dparams, reqs[0], cache, t,
                                 width=width)
                         decode_s = total_s - sum(ttft)
-                        d = draft_ms[key] * drafted / cycles
-                        v = 1e3 * verify_curves[b].at(verified / cycles)
+                        d = draft_ms[m.name] * drafted / cycles
+                        v = 1e3 * curve.at(verified / cycles)
                         split = dict(draft=d, verify=v,
                                      other=max(1e3 * decode_s / cycles - d - v, 0.0))
                     greedy = t == 0
                     records.append(dict(
                         method=m.name, cost_aware=m.cost_aware, set=set_name, temperature=t,
-                        batch=b, requests=len(reqs),
+                        batch=b, context=ctx_len, requests=len(reqs),
                         prompt_tokens=float(np.mean([len(p) for r in reqs for p in r])),
                         new_tokens=new_tokens,
                         ttft_ms=1e3 * float(np.median(ttft)) if latency else None,
@@ -249,5 +267,6 @@ def run(model, prompt_sets: Mapping[str, Sequence[str]], method_list: Sequence[M
                         fallbacks=fallbacks, split_ms=split,
                         peak_mb=None if warm.peak_bytes is None else warm.peak_bytes / 2 ** 20,
                         same_as_plain=(outs == plain_tokens) if greedy else None))
-                    report(f"{m.name} | {set_name} | T={t:g} | batch {b}")
+                    report(f"{m.name} | {set_name} | T={t:g} | batch {b}"
+                           + ("" if ctx_len is None else f" | context {ctx_len}"))
     return records

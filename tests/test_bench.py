@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from specjax import api, bench, spec_bench
+from specjax import api, bench, engines, spec_bench
 
 
 def test_spec_report_lists_every_prompt_of_every_drafter():
@@ -53,7 +53,7 @@ def test_hf_engine_model_computes_our_logits():
     cfg = ModelConfig(arch="llama", vocab_size=97, d_model=48, n_layers=2, n_heads=6,
                       n_kv_heads=2, head_dim=8, d_ff=80, tie_embeddings=True)
     params = target.init_params(cfg, 0, scale=0.3)
-    model = bench.hf_llama_from_params(cfg, params)
+    model = engines.hf_llama_from_params(cfg, params)
     tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (1, 9))
     with torch.no_grad():
         theirs = model(torch.from_numpy(tokens)).logits.numpy()

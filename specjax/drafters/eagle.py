@@ -579,7 +579,6 @@ class EagleDrafter:
         of the drafter's probabilities along its path, the dynamic tree's ranking score)."""
         cfg, policy = self.cfg, self.policy
         own = params["drafter"]
-        b = state.last.shape[0]
         root_logits = draft_logits(cfg, self.target, params, state.last)  # [B, Vd]
         if isinstance(policy, DynamicTree):
             k = policy.top_k
