@@ -14,7 +14,7 @@ from specjax.config import ModelConfig
 from specjax.drafters import dflash, eagle
 from specjax.drafters.base import FunctionDrafter, Proposal, chain_parents
 from specjax.drafters.draft_model import DraftModelDrafter
-from specjax.drafters.ngram import NgramDrafter
+from specjax.drafters.ngram import DECAY, NgramDrafter
 from specjax.models import target
 from specjax.targets import DecoderTarget
 
@@ -217,3 +217,37 @@ def test_greedy_output_of_the_harness_equals_plain_for_every_drafter(name):
             assert (st.accepted <= st.drafted * drafter.max_depth).all()
         else:
             assert (st.drafted == st.cycles).all()
+
+
+def test_prompt_lookup_learns_its_acceptance_rate_per_match_length():
+    from specjax.drafters.base import Accepted, Context, Prefill
+    from specjax.sampling import SamplingParams
+
+    d = NgramDrafter(draft_len=4)
+    seq = jnp.asarray([[5, 6, 7, 8, 9, 5, 6, 7, 0, 0, 0, 0]], jnp.int32)
+    st = d.init(None, Prefill(seq[:, :8], jnp.asarray([8]), jnp.zeros((1, 8, 0, 1)),
+                              jnp.asarray([0]), 16))
+    np.testing.assert_allclose(d.rates(st)[0], [0, 1 / 2, 2 / 3, 3 / 4])  # the prior g / (g + 1)
+    ctx = Context(seq, jnp.asarray([8]), SamplingParams.make(1, 0.0, 0, 1.0))
+    proposal, st = d.propose(None, st, ctx, None)
+    # The suffix 5 6 7 matched 3 tokens: drafts 8 9 5 6, confidences (3/4)^d.
+    assert proposal.tokens[0].tolist() == [7, 8, 9, 5, 6] and int(st.match[0, 0]) == 3
+    np.testing.assert_allclose(proposal.confidence[0], [1, .75, .75 ** 2, .75 ** 3, .75 ** 4],
+                               rtol=1e-6)
+
+    def cycle(state, verified, accepted):
+        valid = jnp.arange(5)[None, :] <= verified
+        path = jnp.asarray([list(range(accepted + 1)) + [0] * (4 - accepted)], jnp.int32)
+        return d.commit(None, state, ctx, Accepted(
+            Proposal(proposal.tokens, proposal.parents, valid), path, jnp.asarray([accepted]),
+            jnp.asarray([accepted + 1]), jnp.zeros((1, 5, 0, 1))))
+
+    # 4 drafts verified, 2 accepted: 3 tried (the third rejected), 2 accepted.
+    st2 = cycle(st, 4, 2)
+    np.testing.assert_allclose(d.rates(st2)[0, 3], (2 + .75) / (3 + 1), rtol=1e-6)
+    np.testing.assert_allclose(d.rates(st2)[0, :3], d.rates(st)[0, :3])  # other lengths kept
+    # A plain-step cycle (no draft verified) teaches nothing; the counts decay per update.
+    assert (cycle(st2, 0, 0).tried == st2.tried).all()
+    st3 = cycle(st2, 2, 2)  # both verified drafts accepted
+    np.testing.assert_allclose(st3.tried[0, 3], DECAY * 3 + 2, rtol=1e-6)
+    np.testing.assert_allclose(st3.accepted[0, 3], DECAY * 2 + 2, rtol=1e-6)

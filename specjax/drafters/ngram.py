@@ -20,10 +20,11 @@ deterministic-proposal rule, which is lossless for them.
 **Confidence.** Prompt lookup has no probabilities, so each row learns its own: for every match
 length g it counts, over its recent verified cycles, how many drafts of the best branch were
 tried and how many accepted (a draft is tried when all before it were accepted), decayed by
-``DECAY`` per update. Their ratio, with one tried and half an accepted draft as prior, is the
-rate r_g at which a draft after a g-token match is accepted given its parent was; node d of a
-branch with match length g then has confidence r_g^d, times (1 - r) of every better branch's
-first draft for the other branches.
+``DECAY`` per update. Their ratio, with one tried draft accepted g / (g + 1) times as prior
+(a longer match is likelier to continue; the prior also makes a fresh row try its long
+matches, so it learns), is the rate r_g at which a draft after a g-token match is accepted
+given its parent was; node d of a branch with match length g then has confidence r_g^d, times
+(1 - r) of every better branch's first draft for the other branches.
 """
 
 from __future__ import annotations
@@ -126,7 +127,8 @@ class NgramDrafter:
     def rates(self, state: NgramState) -> jax.Array:
         """[B, G + 1] each row's estimated acceptance rate of a draft after a g-token match,
         given its parent was accepted."""
-        return (state.accepted + 0.5) / (state.tried + 1.0)
+        g = jnp.arange(self.max_ngram + 1, dtype=jnp.float32)
+        return (state.accepted + g / (g + 1)) / (state.tried + 1.0)
 
     def propose(self, params, state: NgramState, ctx: Context, rng):
         """Looks up each row's suffix; rows without a match propose only the root."""
