@@ -413,21 +413,32 @@ def speculative_generate(
             depth = jnp.sum(anc, axis=-1, dtype=jnp.int32) - 1
         positions = (s.seq_len - 1)[:, None] + depth  # the root sits at committed length
 
-        def score(width):
-            return fast.forward_fresh(params, tokens[:, :width], positions[:, :width],
-                                      s.cache, anc[:, :width, :width], drafter.taps)
+        def check(t_logits, t_taps, width):
+            """Verifies the first ``width`` nodes: the result and the path's taps [B, D + 1,
+            n, E] (node indices below ``width``, so valid for the whole proposal)."""
+            dl = None if draft_logits is None else draft_logits[:, :width]
+            res = verify_lib.verify(t_logits, tokens[:, :width], proposal.parents[:, :width],
+                                    node_valid[:, :width], sp, verify_key, max_depth=depth_max,
+                                    draft_logits=dl)
+            return res, jnp.take_along_axis(t_taps, res.path[:, :, None, None], axis=1)
 
-        def padded(width):  # scored at width, padded back to N nodes (the padding invalid)
-            return jax.tree.map(
-                lambda x: jnp.pad(x, [(0, 0), (0, n - width)] + [(0, 0)] * (x.ndim - 2)),
-                score(width))
+        def fresh_cycle(width):
+            """Scores and verifies the first ``width`` nodes without writing the cache; the
+            fresh K/V comes back padded to N nodes (the padding never committed), and the
+            logits never leave: a narrow pass pays for nothing wider."""
+            t_logits, t_taps, fresh = fast.forward_fresh(
+                params, tokens[:, :width], positions[:, :width], s.cache,
+                anc[:, :width, :width], drafter.taps)
+            fresh = jax.tree.map(
+                lambda x: jnp.pad(x, [(0, 0), (0, n - width)] + [(0, 0)] * (x.ndim - 2)), fresh)
+            return (*check(t_logits, t_taps, width), fresh)
 
         width = jnp.int32(n)
         if budget is not None:
             # The cache is only read inside the switch and written after it (see below).
             pick = jnp.asarray([distinct.index(w) for w in widths], jnp.int32)[k]
-            t_logits, t_taps, fresh = jax.lax.switch(
-                pick, [functools.partial(padded, w) for w in distinct])
+            res, path_taps, fresh = jax.lax.switch(
+                pick, [functools.partial(fresh_cycle, w) for w in distinct])
             cache = fast.write_fresh(s.cache, fresh)
             width = jnp.asarray(widths, jnp.int32)[k]
         elif m < n and fast is not None:
@@ -436,15 +447,14 @@ def speculative_generate(
             # The cache is only read inside the cond and written after it; written inside,
             # XLA would copy every layer's cache on every cycle.
             any_draft = jnp.any(running[:, None] & node_valid[:, 1:])
-            t_logits, t_taps, fresh = jax.lax.cond(any_draft, lambda: score(n),
-                                                   lambda: padded(m))
+            res, path_taps, fresh = jax.lax.cond(any_draft, lambda: fresh_cycle(n),
+                                                 lambda: fresh_cycle(m))
             cache = fast.write_fresh(s.cache, fresh)
             width = jnp.where(any_draft, n, m)
         else:
             t_logits, t_taps, cache = target.forward(params, tokens, positions, s.cache, anc,
                                                      drafter.taps)
-        res = verify_lib.verify(t_logits, tokens, proposal.parents, node_valid, sp, verify_key,
-                                max_depth=depth_max, draft_logits=draft_logits)
+            res, path_taps = check(t_logits, t_taps, n)
         emitted, count = verify_lib.emitted_tokens(res, tokens)  # [B, D + 1], [B]
         count = jnp.minimum(count, max_new_tokens - s.n_generated)
         count, hit = _first_stop(emitted, count, stop_tokens)
@@ -457,7 +467,6 @@ def speculative_generate(
         seq_len = s.seq_len + count
         n_generated = s.n_generated + count
         done = s.done | hit | (n_generated >= max_new_tokens)
-        path_taps = jnp.take_along_axis(t_taps, res.path[:, :, None, None], axis=1)
         accepted = Accepted(Proposal(tokens, proposal.parents, node_valid, draft_logits),
                             res.path, n_acc, count, path_taps)
         dstate = drafter.commit(drafter_params, dstate, Context(seq, seq_len, sp), accepted)
