@@ -699,9 +699,10 @@ def _add_bench(sub):
                     "summarization and retrieval) unless --prompts is given.",
     )
     p.add_argument("--quick", action="store_true",
-                   help="the built-in default for a first look (a few minutes on 2 cores): "
-                        "plain, n-gram and the shipped DFlash drafter, fixed and cost-aware, "
-                        "one prompt per set, T=0, batch 1, 64 new tokens")
+                   help="the built-in default for a first look: plain, n-gram and the "
+                        "shipped DFlash drafter, fixed and cost-aware, one prompt per set, T=0, "
+                        "batch 1, 64 new tokens, one timed run per request (about 25 minutes on "
+                        "a 2-core CPU the first time, compiles and cost tables included)")
     p.add_argument("--model", default="smollm2-135m",
                    help="a known model name, an HF checkpoint directory, or a .gguf file "
                         "(default: %(default)s)")
