@@ -1,5 +1,6 @@
 """The cost model of cost-aware speculation: calibrated cycle costs per budget bucket, the
-expected tokens a budget buys, and the bucket that buys the most tokens per second.
+expected tokens a budget buys, the bucket that buys the most tokens per second, and the gate
+that stops drafting while drafting does not pay.
 
 A speculative cycle of budget N (tree nodes verified, root included) costs one verify pass
 ``T_verify(N)`` plus the drafter's own time ``T_draft(N)``, and emits ``1 + E[accepted]``
