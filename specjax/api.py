@@ -100,14 +100,16 @@ class GenerateResult:
 _COMPILED: dict = {}
 
 
-def _compiled(fn, args: tuple, statics: dict):
-    """An ahead-of-time compiled ``fn`` for these argument structures and statics, cached."""
-    key = (fn, jax.tree.structure(args), tuple(a.shape for a in jax.tree.leaves(args)),
+def _compiled(fn, args: tuple, traced: dict, statics: dict):
+    """An ahead-of-time compiled ``fn`` for these argument structures (positional ``args``,
+    keyword ``traced``) and statics, cached."""
+    key = (fn, jax.tree.structure((args, traced)),
+           tuple(a.shape for a in jax.tree.leaves((args, traced))),
            tuple(sorted(statics.items(), key=lambda kv: kv[0])))
     if key in _COMPILED:
         return _COMPILED[key], 0.0
     t0 = time.perf_counter()
-    exe = fn.lower(*args, **statics).compile()
+    exe = fn.lower(*args, **traced, **statics).compile()
     _COMPILED[key] = exe
     return exe, time.perf_counter() - t0
 
@@ -117,7 +119,7 @@ def generate_tokens(
     params: dict,
     prompts: Sequence[Sequence[int]],
     *,
-    max_new_tokens: int = 128,
+    max_new_tokens: int | Sequence[int] = 128,
     temperature: float | Sequence[float] = 0.0,
     top_k: int | Sequence[int] = 0,
     top_p: float | Sequence[float] = 1.0,
@@ -128,13 +130,14 @@ def generate_tokens(
     drafter_params=None,
     prompt_width: int | None = None,
     budget=None,
+    new_tokens_width: int | None = None,
 ) -> GenerateResult:
     """Plain or speculative generation for a batch of token-id prompts.
 
     Args:
       cfg, params: the target model.
       prompts: B token-id lists, any lengths >= 1.
-      max_new_tokens: at most this many new tokens per row.
+      max_new_tokens: at most this many new tokens per row, shared or one per row.
       temperature, top_k, top_p: sampling controls, shared or one per row (temperature 0 =
         greedy).
       seed: PRNG seed; row b's randomness depends only on (seed, b).
@@ -149,12 +152,25 @@ def generate_tokens(
       budget: cost-aware speculation (a :class:`specjax.harness.Budget`, e.g.
         ``CostTable.budget()``): each cycle verifies only as many of the drafter's nodes as
         its confidences say pay; None verifies them all.
+      new_tokens_width: compile for this many new tokens per row (at least the largest
+        ``max_new_tokens``; default that), so that requests with different token limits share
+        one executable: the limits are traced, only this width is static.
     Raises:
       ValueError: a bad sampling value, an out-of-vocabulary prompt token, or a request longer
         than the cache (or the model's context).
     """
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if not prompts:
+        raise ValueError("no prompts given")
+    if np.ndim(max_new_tokens) and np.size(max_new_tokens) != len(prompts):
+        raise ValueError(f"{np.size(max_new_tokens)} max_new_tokens for {len(prompts)} prompts: "
+                         "give one, or one per prompt")
+    limits = np.broadcast_to(np.asarray(max_new_tokens, np.int64), (len(prompts),))
+    if limits.min() < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {int(limits.min())}")
+    max_new_tokens = int(limits.max())
+    if new_tokens_width is not None and new_tokens_width < max_new_tokens:
+        raise ValueError(f"new_tokens_width={new_tokens_width} is below max_new_tokens="
+                         f"{max_new_tokens}")
     check_tokens(prompts, cfg.vocab_size)
     tokens, lengths = pad_prompts(prompts, width=prompt_width)
     need = int(lengths.max()) + max_new_tokens
@@ -174,9 +190,10 @@ def generate_tokens(
     if drafter is not None:
         targets_lib.check_drafter(tgt, drafter)
     sp = sampling.SamplingParams.make(len(prompts), temperature, top_k, top_p)
-    statics = dict(target=tgt, max_new_tokens=max_new_tokens, capacity=capacity,
-                   stop_tokens=tuple(int(t) for t in stop_tokens))
+    statics = dict(target=tgt, max_new_tokens=new_tokens_width or max_new_tokens,
+                   capacity=capacity, stop_tokens=tuple(int(t) for t in stop_tokens))
     prompt, prompt_len, rng = jnp.asarray(tokens), jnp.asarray(lengths), jax.random.key(seed)
+    traced = dict(limits=jnp.asarray(limits, jnp.int32))
     if drafter is None:
         if budget is not None:
             raise ValueError("a cost-aware budget needs a drafter")
@@ -185,9 +202,9 @@ def generate_tokens(
         fn, args = decode.speculative_generate, (params, drafter_params, prompt, prompt_len, sp, rng)
         statics["drafter"] = drafter
         statics["budget"] = budget
-    exe, compile_s = _compiled(fn, args, statics)
+    exe, compile_s = _compiled(fn, args, traced, statics)
     t0 = time.perf_counter()
-    out = jax.block_until_ready(exe(*args))
+    out = jax.block_until_ready(exe(*args, **traced))
     run_s = time.perf_counter() - t0
     stats = None if drafter is None else jax.device_get(out.stats)
     toks, n, stopped = jax.device_get((out.tokens, out.n_generated, out.stopped))

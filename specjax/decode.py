@@ -2,8 +2,8 @@
 
 A request is a right-padded batch of prompts ``prompt[B, P]`` with true lengths ``prompt_len[B]``.
 One jitted call prefills the target, samples the first new token of each row, then runs a
-``lax.while_loop`` of one-token steps until every row has produced ``max_new_tokens`` tokens or
-hit a stop token. Nothing leaves the device until the call returns.
+``lax.while_loop`` of one-token steps until every row has produced its limit of new tokens
+(``max_new_tokens``, or a traced per-row ``limits``) or hit a stop token. Nothing leaves the device until the call returns.
 
 Row independence: a row's tokens depend only on its own prompt, sampling parameters and rng
 key (``jax.random.fold_in(rng, row)``), never on padding, the batch size or its position in the
@@ -96,6 +96,7 @@ def generate(
     capacity: int,
     stop_tokens: tuple[int, ...] = (),
     pad_id: int = 0,
+    limits: jax.Array | None = None,
 ) -> Generation:
     """Plain autoregressive generation, prefill and decode loop in one jitted call.
 
@@ -107,23 +108,26 @@ def generate(
       rng: a PRNG key.
       target: a static target object (:class:`specjax.targets.Target`), e.g.
         ``DecoderTarget(cfg)``; only its required methods are used.
-      max_new_tokens: tokens to generate per row at most (static).
-      capacity: cache slots per row; must be >= P + max_new_tokens + step_tokens - 1 (static;
+      max_new_tokens: tokens to generate per row at most (static: the output's width).
+      capacity: cache slots per row; must be >= P + max(limits) + step_tokens - 1 (static;
         checked by :func:`check_capacity`, called by the high-level API; the extra slot is
         the scratch of a bfloat16 step).
       stop_tokens: token ids that end a row (static).
       pad_id: filler for the output past each row's end.
+      limits: optional [B] int32 per-row token limits in ``[1, max_new_tokens]`` (traced, so
+        requests with different limits share one executable); default ``max_new_tokens``.
     Returns:
       A :class:`Generation`.
     """
     b = prompt.shape[0]
+    limits = _limits(limits, b, max_new_tokens)
     logits, _, cache = target.prefill(params, prompt, prompt_len, capacity)
     first = sampling.sample_rows(row_keys(rng, b, jnp.int32(0)), logits, sp)
     first_stop = is_stop(first, stop_tokens)
     out = jnp.full((b, max_new_tokens), pad_id, jnp.int32).at[:, 0].set(first)
     state = PlainState(
         step=jnp.int32(1), last=first, out=out, n_generated=jnp.ones((b,), jnp.int32),
-        done=first_stop | (max_new_tokens <= 1), stopped=first_stop, cache=cache, rng=rng)
+        done=first_stop | (limits <= 1), stopped=first_stop, cache=cache, rng=rng)
 
     def cond(s: PlainState):
         return (s.step < max_new_tokens) & ~jnp.all(s.done)
@@ -143,13 +147,20 @@ def generate(
         out = jax.lax.dynamic_update_slice(s.out, tok[:, None], (0, s.step))
         hit = running & is_stop(tok, stop_tokens)
         n_generated = s.n_generated + running
-        done = s.done | hit | (n_generated >= max_new_tokens)
+        done = s.done | hit | (n_generated >= limits)
         return PlainState(step=s.step + 1, last=jnp.where(running, tok, s.last), out=out,
                           n_generated=n_generated, done=done, stopped=s.stopped | hit,
                           cache=cache, rng=s.rng)
 
     state = jax.lax.while_loop(cond, body, state)
     return Generation(tokens=state.out, n_generated=state.n_generated, stopped=state.stopped)
+
+
+def _limits(limits: jax.Array | None, batch: int, max_new_tokens: int) -> jax.Array:
+    """[B] int32 per-row token limits, clipped to ``[1, max_new_tokens]``."""
+    if limits is None:
+        return jnp.full((batch,), max_new_tokens, jnp.int32)
+    return jnp.clip(jnp.broadcast_to(jnp.asarray(limits, jnp.int32), (batch,)), 1, max_new_tokens)
 
 
 def check_capacity(prompt_tokens: int, max_new_tokens: int, capacity: int, extra: int = 0):
@@ -299,6 +310,7 @@ def speculative_generate(
     pad_id: int = 0,
     return_dstate: bool = False,
     budget=None,
+    limits: jax.Array | None = None,
 ) -> SpecGeneration:
     """Speculative generation: prefill, then a ``lax.while_loop`` of propose -> verify -> commit.
 
@@ -320,8 +332,8 @@ def speculative_generate(
       rng: a PRNG key.
       target: a static target object (:mod:`specjax.targets`), e.g. ``DecoderTarget(cfg)``.
       drafter: a static drafter object (:mod:`specjax.drafters.base`).
-      max_new_tokens: static.
-      capacity: target cache slots; >= P + max_new_tokens + drafter.n_nodes (static).
+      max_new_tokens: tokens per row at most (static: the output's width).
+      capacity: target cache slots; >= P + max(limits) + drafter.n_nodes (static).
       stop_tokens: static ids that end a row.
       pad_id: filler past each row's end.
       return_dstate: also return the drafter's final state (static; it may be large, such as
@@ -334,12 +346,15 @@ def speculative_generate(
         a drafter that reports confidences. A gated budget (``Budget.gated``) also decides
         before each cycle whether to draft at all (:class:`specjax.harness.Gate`), for
         drafters that offer ``skip``.
+      limits: optional [B] int32 per-row token limits in ``[1, max_new_tokens]`` (traced);
+        default ``max_new_tokens``.
     Returns:
       A :class:`SpecGeneration`.
     Raises:
       ValueError: ``budget`` with a target or drafter that cannot take it.
     """
     b, p = prompt.shape
+    limits = _limits(limits, b, max_new_tokens)
     n, depth_max = drafter.n_nodes, drafter.max_depth
     logits, prefill_taps, cache = target.prefill(params, prompt, prompt_len, capacity,
                                                  drafter.taps)
@@ -353,7 +368,7 @@ def speculative_generate(
     zeros = jnp.zeros((b,), jnp.int32)
     state = SpecState(
         seq=seq, seq_len=prompt_len + 1, n_generated=jnp.ones((b,), jnp.int32),
-        done=first_stop | (max_new_tokens <= 1), stopped=first_stop, cache=cache,
+        done=first_stop | (limits <= 1), stopped=first_stop, cache=cache,
         dstate=dstate, rng=rng, cycle=jnp.int32(0),
         stats=SpecStats(cycles=zeros, accepted=zeros,
                         accept_hist=jnp.zeros((b, depth_max + 1), jnp.int32), fallbacks=zeros,
@@ -456,7 +471,7 @@ def speculative_generate(
                                                      drafter.taps)
             res, path_taps = check(t_logits, t_taps, n)
         emitted, count = verify_lib.emitted_tokens(res, tokens)  # [B, D + 1], [B]
-        count = jnp.minimum(count, max_new_tokens - s.n_generated)
+        count = jnp.minimum(count, limits - s.n_generated)
         count, hit = _first_stop(emitted, count, stop_tokens)
         count = jnp.where(running, count, 0)
         hit &= running
@@ -466,7 +481,7 @@ def speculative_generate(
             s.seq, jnp.where(running[:, None], emitted, pad_id), s.seq_len)
         seq_len = s.seq_len + count
         n_generated = s.n_generated + count
-        done = s.done | hit | (n_generated >= max_new_tokens)
+        done = s.done | hit | (n_generated >= limits)
         accepted = Accepted(Proposal(tokens, proposal.parents, node_valid, draft_logits),
                             res.path, n_acc, count, path_taps)
         dstate = drafter.commit(drafter_params, dstate, Context(seq, seq_len, sp), accepted)

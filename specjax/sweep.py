@@ -9,7 +9,8 @@ tokens past the first, is its time per output token; percentiles run over the re
 decoding runs first in every (set, temperature, batch, context) group, so a cell's ``speedup`` is its
 tokens per second over plain decoding's measured beside it.
 
-Executables are shared: prompts are padded to a coarse width (``WIDTH_BUCKET``), so each
+Executables are shared: prompts are padded to a coarse width (``WIDTH_BUCKET``) and the
+one-token runs reuse the whole generation's executable (token limits are traced), so each
 method compiles once per width and batch size, and compilation happens before timing.
 
 **Time split.** A cycle's time is split by separately jitted measurements of its stages: the
@@ -163,8 +164,8 @@ def run(model, prompt_sets: Mapping[str, Sequence[str]], method_list: Sequence[M
       repeats: timed runs per request, the fastest kept.
       model_name: the model's name in the cost tables' keys (cost-aware methods).
       latency: measure time to first token, time per output token and the time split
-        (a second executable per method and a draft-cost measurement); False leaves them None
-        (sweeps of τ and speedup compile half as much).
+        (one-token runs of the same executable, and a draft-cost measurement that compiles
+        the drafter's ``propose`` alone); False leaves them None.
       progress: optional callable, given a short description after each cell.
     """
     cfg, params, tok = model.cfg, model.params, model.tokenizer
@@ -208,11 +209,10 @@ def run(model, prompt_sets: Mapping[str, Sequence[str]], method_list: Sequence[M
                 for m in method_list:
                     kw = dict(cache_size=cache, drafter=m.drafter, drafter_params=m.dparams,
                               temperature=t, prompt_width=width, seed=seed,
-                              stop_tokens=stops, budget=budgets.get(m.name))
+                              stop_tokens=stops, budget=budgets.get(m.name),
+                              new_tokens_width=max_new_tokens)
                     warm = api.generate_tokens(cfg, params, reqs[0],
                                                max_new_tokens=max_new_tokens, **kw)
-                    if latency:
-                        api.generate_tokens(cfg, params, reqs[0], max_new_tokens=1, **kw)
                     ttft, tpot, total_s, new_tokens, outs = [], [], 0.0, 0, []
                     hist, cycles, drafted, verified, fallbacks = None, 0, 0, 0, 0
                     for req in reqs:

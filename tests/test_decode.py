@@ -114,8 +114,31 @@ def test_one_compile_per_shape_across_prompts():
     assert len(api._COMPILED) == 1
 
 
+@pytest.mark.parametrize("speculative", [False, True], ids=["plain", "ngram"])
+def test_per_row_limits_share_one_executable(speculative):
+    """Per-row token limits are traced: rows stop at their own limit, each row's tokens are
+    the prefix of an unlimited run's, and requests with other limits reuse the executable
+    compiled for ``new_tokens_width``."""
+    from specjax.drafters.ngram import NgramDrafter
+
+    kw = dict(new_tokens_width=12, cache_size=64,
+              drafter=NgramDrafter(draft_len=3) if speculative else None)
+    api._COMPILED.clear()
+    full = api.generate_tokens(TINY, PARAMS, PROMPTS, max_new_tokens=12, **kw)
+    cut = api.generate_tokens(TINY, PARAMS, PROMPTS, max_new_tokens=[3, 12, 1], **kw)
+    one = api.generate_tokens(TINY, PARAMS, PROMPTS, max_new_tokens=1, **kw)
+    assert full.compile_s > 0 and cut.compile_s == 0 and one.compile_s == 0
+    assert len(api._COMPILED) == 1
+    assert [len(t) for t in full.tokens] == [12, 12, 12]
+    assert cut.tokens == [full.tokens[0][:3], full.tokens[1], full.tokens[2][:1]]
+    assert one.tokens == [t[:1] for t in full.tokens]
+
+
 @pytest.mark.parametrize("kwargs, message", [
     (dict(prompts=[[1] * 70], max_new_tokens=10, cache_size=64), "needs 80 cache slots"),
+    (dict(prompts=[[1], [2]], max_new_tokens=[4, 4, 4]), "3 max_new_tokens for 2 prompts"),
+    (dict(prompts=[[1], [2]], max_new_tokens=[4, 0]), "max_new_tokens must be >= 1"),
+    (dict(prompts=[[1]], max_new_tokens=8, new_tokens_width=4), "new_tokens_width=4"),
     (dict(prompts=[[1, 2, 99]], max_new_tokens=4), "outside \\[0, 61\\)"),
     (dict(prompts=[[]], max_new_tokens=4), "prompt 0 is empty"),
     (dict(prompts=[[1]], max_new_tokens=4, temperature=-1.0), "temperature"),
