@@ -344,8 +344,10 @@ def speculative_generate(
         :func:`specjax.harness.choose_bucket` (one compiled pass per distinct width, under a
         ``lax.switch``); None verifies every node. Needs a target with ``forward_fresh`` and
         a drafter that reports confidences. A gated budget (``Budget.gated``) also decides
-        before each cycle whether to draft at all (:class:`specjax.harness.Gate`), for
-        drafters that offer ``skip``.
+        after each drafted cycle how many plain steps to run before drafting again
+        (:class:`specjax.harness.Gate`), for drafters that offer ``skip``: an inner
+        ``lax.while_loop`` of plain decoding steps, each writing the cache in place as
+        :func:`generate` does, so a run of them costs what plain decoding costs.
       limits: optional [B] int32 per-row token limits in ``[1, max_new_tokens]`` (traced);
         default ``max_new_tokens``.
     Returns:
@@ -388,21 +390,56 @@ def speculative_generate(
     def cond(s: SpecState):
         return ~jnp.all(s.done)
 
-    def body(s: SpecState):
+    rows = targets_lib.step_tokens(target)
+
+    def plain_step(s: SpecState):
+        """One step of a gated run of plain steps (harness.Gate): the target writes the
+        root's key/value and samples the next token as plain decoding does, and the drafter
+        catches up as after a cycle that accepted nothing (``skip``, then ``commit`` of the
+        one-token path)."""
         ctx = Context(s.seq, s.seq_len, sp)
         draft_key, verify_key = cycle_keys(s.rng, s.cycle)
         running = ~s.done
+        positions = (s.seq_len - 1)[:, None] + jnp.arange(rows)[None, :]
+        t_logits, t_taps, cache = target.forward(
+            params, jnp.repeat(ctx.root[:, None], rows, axis=1), positions, s.cache, None,
+            drafter.taps)
+        tok = sampling.sample_rows(row_keys(verify_key, b, jnp.int32(0)), t_logits[:, 0], sp)
+        hit = running & is_stop(tok, stop_tokens)
+        count = running.astype(jnp.int32)
+        cache = target.commit(cache, jnp.zeros((b, 1), jnp.int32), count)
+        seq = jax.vmap(lambda row, t, at: row.at[at].set(t))(
+            s.seq, jnp.where(running, tok, pad_id), s.seq_len)
+        seq_len, n_generated = s.seq_len + count, s.n_generated + count
+        shape = jax.eval_shape(drafter.propose, drafter_params, s.dstate, ctx, draft_key)[0]
+        dstate = drafter.skip(drafter_params, s.dstate, ctx)
+        # A one-node path (Accepted allows any width): drafters catch up on one position.
+        dstate = drafter.commit(drafter_params, dstate, Context(seq, seq_len, sp), Accepted(
+            _no_proposal(shape, ctx.root), jnp.zeros((b, 1), jnp.int32),
+            jnp.zeros((b,), jnp.int32), count, t_taps[:, :1]))
+        st = s.stats
+        stats = dataclasses.replace(
+            st, cycles=st.cycles + count, verified=st.verified + rows * count,
+            accept_hist=st.accept_hist.at[:, 0].add(count))
+        return SpecState(seq=seq, seq_len=seq_len, n_generated=n_generated,
+                         done=s.done | hit | (n_generated >= limits), stopped=s.stopped | hit,
+                         cache=cache, dstate=dstate, rng=s.rng, cycle=s.cycle + 1,
+                         stats=stats, gate=s.gate.update(jnp.float32(0.0), jnp.any(running)))
+
+    def body(s: SpecState):
+        """One drafted cycle, then (gated) the run of plain steps the gate asks for."""
+        s = cycle(s)
         if gated:
-            # A plain step without drafting while drafting has not paid (harness.Gate); the
-            # drafter's skip brings its state up to the committed sequence instead.
-            shape = jax.eval_shape(drafter.propose, drafter_params, s.dstate, ctx, draft_key)[0]
-            proposal, dstate = jax.lax.cond(
-                s.gate.drafts,
-                lambda: drafter.propose(drafter_params, s.dstate, ctx, draft_key),
-                lambda: (_no_proposal(shape, ctx.root),
-                         drafter.skip(drafter_params, s.dstate, ctx)))
-        else:
-            proposal, dstate = drafter.propose(drafter_params, s.dstate, ctx, draft_key)
+            s = jax.lax.while_loop(lambda s: (s.gate.wait > 0) & ~jnp.all(s.done), plain_step,
+                                   s)
+        return s
+
+    def cycle(s: SpecState):
+        """One drafted cycle: propose, verify (at the budget's bucket), commit."""
+        ctx = Context(s.seq, s.seq_len, sp)
+        draft_key, verify_key = cycle_keys(s.rng, s.cycle)
+        running = ~s.done
+        proposal, dstate = drafter.propose(drafter_params, s.dstate, ctx, draft_key)
         usable = _usable(proposal, target.vocab_size)
         # Unusable rows keep only the root: the cycle is one plain decoding step for them.
         only_root = jnp.arange(n)[None, :] == 0
@@ -438,33 +475,31 @@ def speculative_generate(
             return res, jnp.take_along_axis(t_taps, res.path[:, :, None, None], axis=1)
 
         def fresh_cycle(width):
-            """Scores and verifies the first ``width`` nodes without writing the cache; the
-            fresh K/V comes back padded to N nodes (the padding never committed), and the
-            logits never leave: a narrow pass pays for nothing wider."""
+            """Scores and verifies the first ``width`` nodes without writing the cache; of the
+            fresh K/V only the accepted path's [D + 1] entries leave (the same shape at every
+            width), like the logits: a narrow pass pays for nothing wider."""
             t_logits, t_taps, fresh = fast.forward_fresh(
                 params, tokens[:, :width], positions[:, :width], s.cache,
                 anc[:, :width, :width], drafter.taps)
-            fresh = jax.tree.map(
-                lambda x: jnp.pad(x, [(0, 0), (0, n - width)] + [(0, 0)] * (x.ndim - 2)), fresh)
-            return (*check(t_logits, t_taps, width), fresh)
+            res, path_taps = check(t_logits, t_taps, width)
+            return res, path_taps, fast.take_fresh(fresh, res.path)
 
-        width = jnp.int32(n)
+        # The fresh passes only read the cache inside the switch or cond; the path's K/V is
+        # written once after it (commit_fresh below), ordered after every read. Written
+        # inside, or read and written with no data dependence between them, XLA would copy
+        # every layer's cache on every cycle.
+        width, fresh = jnp.int32(n), None
         if budget is not None:
-            # The cache is only read inside the switch and written after it (see below).
             pick = jnp.asarray([distinct.index(w) for w in widths], jnp.int32)[k]
             res, path_taps, fresh = jax.lax.switch(
                 pick, [functools.partial(fresh_cycle, w) for w in distinct])
-            cache = fast.write_fresh(s.cache, fresh)
             width = jnp.asarray(widths, jnp.int32)[k]
         elif m < n and fast is not None:
             # A cycle in which no running row has a draft (prompt lookup found nothing, say)
             # scores just the first m nodes: a plain step's cost instead of an N-node pass.
-            # The cache is only read inside the cond and written after it; written inside,
-            # XLA would copy every layer's cache on every cycle.
             any_draft = jnp.any(running[:, None] & node_valid[:, 1:])
             res, path_taps, fresh = jax.lax.cond(any_draft, lambda: fresh_cycle(n),
                                                  lambda: fresh_cycle(m))
-            cache = fast.write_fresh(s.cache, fresh)
             width = jnp.where(any_draft, n, m)
         else:
             t_logits, t_taps, cache = target.forward(params, tokens, positions, s.cache, anc,
@@ -476,7 +511,9 @@ def speculative_generate(
         count = jnp.where(running, count, 0)
         hit &= running
         n_acc = jnp.where(running, res.n_accepted, 0)
-        cache = target.commit(cache, res.path, jnp.where(running, n_acc + 1, 0))
+        n_keep = jnp.where(running, n_acc + 1, 0)
+        cache = (target.commit(cache, res.path, n_keep) if fresh is None
+                 else fast.commit_fresh(s.cache, fresh, n_keep))
         seq = jax.vmap(lambda row, new, at: jax.lax.dynamic_update_slice(row, new, (at,)))(
             s.seq, jnp.where(running[:, None], emitted, pad_id), s.seq_len)
         seq_len = s.seq_len + count
@@ -493,7 +530,7 @@ def speculative_generate(
                 jnp.arange(depth_max + 1)[None, :] == n_acc[:, None])),
             fallbacks=st.fallbacks + (running & ~usable),
             verified=st.verified + jnp.where(running, width, 0),
-            drafted=st.drafted + (running & (s.gate.drafts if gated else True)))
+            drafted=st.drafted + running)
         gate = s.gate
         if gated:
             mean_acc = jnp.sum(n_acc) / jnp.maximum(jnp.sum(running), 1)

@@ -27,11 +27,15 @@ of a drafted cycle, in plain steps, is
     a = (1 + accepted drafts, the batch's mean) - cycle_s[k] / step_s,
 
 its running mean (an exponential average, weight ``GATE_ALPHA``) is kept, and while it is not
-positive the loop runs plain steps without drafting. A run of plain steps ends in a probe, one
-drafted cycle whose advantage replaces the average; a failed probe doubles the next run (1, 2,
-4, ... up to ``GATE_MAX_SKIP`` steps), a successful one resumes drafting. A drafter whose draft
-time is negligible (under ``GATE_MIN_DRAFT`` of a plain step: prompt lookup) is never gated, so
-a match is never missed.
+positive the loop runs plain steps without drafting (an inner loop of plain decoding steps
+that write the cache in place, as fast as plain decoding's; the drafter catches up through
+its ``skip`` and ``commit``). A run of plain steps ends in a probe, one
+drafted cycle whose advantage replaces the average; a successful probe resumes drafting. A
+failure that loses ``-a`` plain steps starts a run long enough that the loss is at most
+``GATE_PROBE_SHARE`` of it (``-a / GATE_PROBE_SHARE`` steps) and at least twice the previous
+run, up to ``GATE_MAX_SKIP`` steps: a drafter that never pays costs a few percent at most, and
+one that nearly breaks even is probed often. A drafter whose draft time is negligible (under
+``GATE_MIN_DRAFT`` of a plain step: prompt lookup) is never gated, so a match is never missed.
 
 Costs are measured (``specjax calibrate``) into a :class:`CostTable` JSON, reused while the
 machine, model, dtype and batch stay the same; its :meth:`CostTable.budget` is what
@@ -146,7 +150,8 @@ class Budget:
 
 
 GATE_ALPHA = 0.3  # weight of the newest drafted cycle in the running advantage
-GATE_MAX_SKIP = 64  # the longest run of plain steps between probes
+GATE_PROBE_SHARE = 0.02  # a failed probe's loss at most this share of the plain run after it
+GATE_MAX_SKIP = 256  # the longest run of plain steps between probes
 GATE_MIN_DRAFT = 0.05  # draft time, as a fraction of a plain step, below which no gate
 
 
@@ -158,7 +163,7 @@ class Gate:
     Attributes:
       advantage: float32, running advantage of drafted cycles, in plain steps.
       wait: int32, plain steps left before the next probe (0: draft this cycle).
-      skip: int32, the length of the next run of plain steps after a failed probe.
+      skip: int32, the shortest next run of plain steps after a failure (twice the last run).
       probing: bool, whether the next drafted cycle is a probe (its advantage replaces the
         running one).
     """
@@ -186,10 +191,12 @@ class Gate:
                          (1 - GATE_ALPHA) * self.advantage + GATE_ALPHA * advantage)
         mean = jnp.where(drafted, mean, self.advantage)
         fail = drafted & (mean <= 0)
+        amortize = jnp.ceil(-mean / GATE_PROBE_SHARE).astype(jnp.int32)
+        run = jnp.clip(jnp.maximum(self.skip, amortize), 1, GATE_MAX_SKIP)
         return Gate(
             advantage=mean,
-            wait=jnp.where(fail, self.skip, jnp.maximum(self.wait - (~self.drafts), 0)),
-            skip=jnp.where(fail, jnp.minimum(2 * self.skip, GATE_MAX_SKIP),
+            wait=jnp.where(fail, run, jnp.maximum(self.wait - (~self.drafts), 0)),
+            skip=jnp.where(fail, jnp.minimum(2 * run, GATE_MAX_SKIP),
                            jnp.where(drafted, 1, self.skip)),
             probing=jnp.where(drafted, fail, self.probing | fail))
 

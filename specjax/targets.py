@@ -18,10 +18,13 @@ None = causal), at ``positions`` (committed length + depth); ``commit`` keeps th
 ``path[:, 0]`` is always node 0 (the root); plain decoding commits ``path = [[0]]``.
 
 Optional, declared by :class:`FreshPassTarget`, for speed only: ``step_tokens`` (the fewest
-query tokens a pass should carry) and the pair ``forward_fresh(...) -> (logits, taps, fresh)``
-/ ``write_fresh(cache, fresh) -> cache``, which split ``forward`` into a pass that only reads
-the cache and the write of what it computed. With them the speculative loop scores only the
-roots (a pass of ``step_tokens`` tokens) in a cycle where no row has a draft.
+query tokens a pass should carry) and ``forward_fresh(...) -> (logits, taps, fresh)``,
+``take_fresh(fresh, path[B, P]) -> fresh`` and ``commit_fresh(cache, fresh, n_keep[B]) ->
+cache``, which split ``forward`` then ``commit`` into a pass that only reads the cache, the
+accepted path's share of what it computed (in path order), and one write of that share as the
+next committed tokens (the first ``n_keep``; the rest is scratch past them). With them the
+speculative loop scores only the roots (a pass of ``step_tokens`` tokens) in a cycle where no
+row has a draft, and writes each cycle's keys and values once.
 
 Drafters that read the target's own weights (EAGLE, DFlash) need :class:`DraftingTarget`:
 ``embed``, ``lm_head`` (full, or gathered over a reduced vocabulary), ``final_norm``, the
@@ -68,7 +71,9 @@ class FreshPassTarget(Target, Protocol):
                       mask: jax.Array | None, taps: tuple[int, ...] = ()
                       ) -> tuple[jax.Array, jax.Array, Any]: ...
 
-    def write_fresh(self, cache: Any, fresh: Any) -> Any: ...
+    def take_fresh(self, fresh: Any, path: jax.Array) -> Any: ...
+
+    def commit_fresh(self, cache: Any, fresh: Any, n_keep: jax.Array) -> Any: ...
 
 
 @runtime_checkable
@@ -174,8 +179,11 @@ class DecoderTarget:
     def forward_fresh(self, params, tokens, positions, cache, mask, taps: tuple[int, ...] = ()):
         return target.forward_fresh(params, self.cfg, tokens, positions, cache, mask, taps)
 
-    def write_fresh(self, cache, fresh):
-        return cache_lib.write(cache, fresh)
+    def take_fresh(self, fresh, path):
+        return cache_lib.take(fresh, path)
+
+    def commit_fresh(self, cache, fresh, n_keep):
+        return cache_lib.advance(cache_lib.write(cache, fresh), n_keep)
 
     def commit(self, cache, path, n_keep):
         return cache_lib.commit(cache, path, n_keep)

@@ -13,6 +13,7 @@ from specjax.config import ModelConfig
 from specjax.io.layout import with_row_weights, without_row_weights
 from specjax.models import cache as cache_lib
 from specjax.models import target
+from specjax.targets import DecoderTarget
 from specjax.models.params import check as check_params
 
 TINY = ModelConfig(arch="llama", vocab_size=97, d_model=48, n_layers=2, n_heads=6, n_kv_heads=2,
@@ -275,3 +276,14 @@ def test_forward_fresh_then_write_equals_forward(tree):
     for got, want in zip(written.k + written.v, want_cache.k + want_cache.v):
         np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)  # float32 reassociation
     np.testing.assert_array_equal(written.lengths, cache.lengths)
+    # Taking an accepted path of the fresh entries and committing it equals committing the
+    # same path of the written pass (row 0 keeps root + node 2 + node 3, row 1 the root).
+    tgt = DecoderTarget(TINY)
+    path, keep = jnp.array([[0, 2, 3], [0, 1, 0]]), jnp.array([3, 1])
+    got = tgt.commit_fresh(cache, tgt.take_fresh(fresh, path), keep)
+    want = tgt.commit(want_cache, path, keep)
+    np.testing.assert_array_equal(got.lengths, want.lengths)
+    for g, w in zip(got.k + got.v, want.k + want.v):
+        for row, length in enumerate(np.asarray(want.lengths)):
+            rows = slice(row * TINY.n_kv_heads, (row + 1) * TINY.n_kv_heads)
+            np.testing.assert_allclose(g[rows, :length], w[rows, :length], atol=1e-5, rtol=1e-5)

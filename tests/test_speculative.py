@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from scipy import stats as sps
 
-from specjax import api, decode, sampling
+from specjax import api, decode, harness, sampling
 from specjax.config import ModelConfig
 from specjax.drafters.base import FunctionDrafter, Proposal, chain_parents
 from specjax.drafters.draft_model import DraftModelDrafter
@@ -194,22 +194,25 @@ def test_cycles_without_drafts_score_only_the_roots():
 
 def test_the_loop_updates_the_cache_in_place():
     """No copy of a cache-sized buffer inside the compiled loop: the verify pass (inside a
-    lax.cond between a full and a roots-only pass) only reads the cache, and the write after
-    it, like the commit, is in place."""
+    lax.cond between a full and a roots-only pass, or a cost-aware budget's lax.switch over
+    widths, or alone where a budget has one width) only reads the cache, and the one write
+    of the accepted path after it is in place."""
     cfg = TINY.replace(n_layers=3)
     params = jax.eval_shape(lambda: target.init_params(cfg, 0))
-    for batch in (1, 2):
+    switch, one_width = harness.Budget((0, 2, 5), (1.0, 1.2, 1.5)), harness.Budget((0,), (1.0,))
+    for batch, budget in [(1, None), (2, None), (1, switch), (2, one_width)]:
         prompt, lengths = api.pad_prompts([[1, 2, 3, 1, 2], [4]][:batch])
         hlo = jax.jit(lambda *a: decode.speculative_generate(
             *a, target=DecoderTarget(cfg), drafter=NgramDrafter(draft_len=4), max_new_tokens=16,
-            capacity=256)).lower(params, None, prompt, lengths, sampling.SamplingParams.make(batch),
-                                 jax.random.key(0)).compile().as_text()
+            capacity=256, budget=budget)).lower(
+                params, None, prompt, lengths, sampling.SamplingParams.make(batch),
+                jax.random.key(0)).compile().as_text()
         cache_shape = f"f32[{batch * cfg.n_kv_heads},256,{cfg.head_dim}]"
         # Computations other than the entry (loop bodies, cond branches) must not copy caches.
         inner = hlo[:hlo.index("ENTRY")] + hlo[hlo.index("ENTRY"):].split("\n}\n", 1)[1]
         copies = [line for line in inner.splitlines()
                   if re.search(r"\bcopy\(", line) and cache_shape in line.split("copy(")[0]]
-        assert copies == [], (batch, copies[:2])
+        assert copies == [], (batch, budget, copies[:2])
 
 
 def test_max_new_tokens_and_stop_tokens_cut_accepted_runs():
@@ -524,10 +527,18 @@ def test_the_tree_law_test_has_power_against_a_lying_drafter():
 # ----------------------------------------------------------------------------------------------
 # The draft-model drafter's real q, end to end, on the 8-token transformer of tests/laws.py.
 
-@pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, 0, 1.0), (0.7, 5, 0.9)])
-def test_draft_model_in_the_loop_preserves_the_target_law(temperature, top_k, top_p):
+# Gated: every bucket costs 20 plain steps, so each row's first cycle is a probe of 4 nodes
+# and the tokens it does not cover come from the gate's run of plain steps.
+GATED = harness.Budget((0, 4), (20.0, 20.0), step_s=1.0, draft_s=19.0)
+
+
+@pytest.mark.parametrize("temperature, top_k, top_p, budget", [
+    (1.0, 0, 1.0, None), (0.7, 5, 0.9, None), (1.0, 0, 1.0, GATED)],
+    ids=["T1", "T0.7-k5-p0.9", "T1-gated"])
+def test_draft_model_in_the_loop_preserves_the_target_law(temperature, top_k, top_p, budget):
     """A one-layer self-draft of a three-layer transformer, drafting chains of 3 with its real
-    q, samples the exact law of plain sampling: chi-square on 200k samples, alpha = 0.001."""
+    q, samples the exact law of plain sampling: chi-square on 200k samples, alpha = 0.001;
+    also under a gate whose runs of plain steps follow a probe."""
     drafter, dp = DraftModelDrafter.from_target_layers(TINY8, PARAMS8, 1, draft_len=3)
     sp = sampling.SamplingParams.make(ROWS, temperature, top_k, top_p)
     prompt = jnp.tile(jnp.asarray(PROMPT8, jnp.int32), (ROWS, 1))
@@ -535,8 +546,12 @@ def test_draft_model_in_the_loop_preserves_the_target_law(temperature, top_k, to
     for seed in range(4):
         out = decode.speculative_generate(
             PARAMS8, dp, prompt, jnp.full((ROWS,), 2, jnp.int32), sp, jax.random.key(seed),
-            target=DecoderTarget(TINY8), drafter=drafter, max_new_tokens=3, capacity=16)
+            target=DecoderTarget(TINY8), drafter=drafter, max_new_tokens=3, capacity=16,
+            budget=budget)
         samples.append(np.asarray(out.tokens))
         assert int(out.stats.accepted.sum()) > ROWS // 4  # the drafts do get accepted
+        if budget is not None:  # one probe per row, then plain steps
+            assert (np.asarray(out.stats.drafted) == 1).all()
+            assert int((out.stats.cycles > 1).sum()) > ROWS // 4
     assert chi_square_p(np.concatenate(samples), exact_transformer_law(temperature, top_k,
                                                                          top_p)) > 1e-3

@@ -119,7 +119,9 @@ class Accepted:
 
     Attributes:
       proposal: the proposal that was verified.
-      path: [B, D + 1] int32 node indices root first, padded with 0.
+      path: [B, P] int32 node indices root first, padded with 0: P = D + 1 after a drafted
+        cycle, 1 after a plain step of a cost-aware gate's run (:class:`specjax.harness.Gate`),
+        so ``commit`` must take any P >= 1.
       n_accepted: [B] int32 accepted drafts (root excluded); rows that did not run this cycle
         (finished, or fallen back to plain decoding) report 0.
       n_committed: [B] int32 tokens appended to the row's sequence this cycle: the accepted
@@ -127,7 +129,7 @@ class Accepted:
         rows that did not run, so a running row that accepted nothing reports 1. The target
         cache keeps the root and the accepted drafts (``n_accepted + 1`` path nodes) of every
         running row.
-      taps: [B, D + 1, n, E] target residual states of the path's nodes (root first).
+      taps: [B, P, n, E] target residual states of the path's nodes (root first).
     """
 
     proposal: Proposal

@@ -176,7 +176,7 @@ class NgramDrafter:
         """Counts the best branch's verified drafts: those tried (up to and including the
         first rejected one) and those accepted."""
         k = self.draft_len
-        if k == 0:
+        if k == 0 or accepted.path.shape[1] == 1:  # no drafts, or a plain step: nothing tried
             return state
         verified = jnp.sum(accepted.proposal.node_valid[:, 1:1 + k], axis=1)  # [B]
         on_best = accepted.path[:, 1] == 1  # the accepted path runs through branch 0

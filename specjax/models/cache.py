@@ -126,6 +126,15 @@ def write(cache: KVCache, fresh: Fresh) -> KVCache:
                    lengths=cache.lengths)
 
 
+def take(fresh: Fresh, path: jax.Array) -> Fresh:
+    """The entries of ``path`` [B, P] (node indices into fresh's T tokens) of every row, in
+    path order: a :class:`Fresh` of P tokens."""
+    rows_per_b = fresh.k[0].shape[0] // path.shape[0]
+    idx = jnp.repeat(path, rows_per_b, axis=0)[:, :, None]  # [B * K, P, 1]
+    return Fresh(k=tuple(jnp.take_along_axis(x, idx, axis=1) for x in fresh.k),
+                 v=tuple(jnp.take_along_axis(x, idx, axis=1) for x in fresh.v))
+
+
 def advance(cache: KVCache, n: jax.Array) -> KVCache:
     """Commits the first ``n[b]`` freshly written slots of each row as they are."""
     return dataclasses.replace(cache, lengths=cache.lengths + n.astype(jnp.int32))
