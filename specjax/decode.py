@@ -23,7 +23,7 @@ from specjax import harness, sampling
 from specjax import tree as tree_lib
 from specjax import verify as verify_lib
 from specjax import targets as targets_lib
-from specjax.drafters.base import Accepted, Context, Prefill, Proposal, chain_parents
+from specjax.drafters.base import CATCH_UP, Accepted, Context, Prefill, Proposal, chain_parents
 
 
 @jax.tree_util.register_dataclass
@@ -223,6 +223,9 @@ class SpecState:
       cycle: scalar int32 cycles run.
       stats: :class:`SpecStats`.
       gate: the cost-aware draft gate (:class:`specjax.harness.Gate`), or None.
+      catch: the gate's plain steps' taps not yet handed to the drafter
+        (:class:`CatchUp`), for a gated run with a drafter that offers ``catch_up``; else
+        None.
     """
 
     seq: jax.Array
@@ -236,6 +239,21 @@ class SpecState:
     cycle: jax.Array
     stats: SpecStats
     gate: object = None
+    catch: object = None
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class CatchUp:
+    """Plain steps a drafter has not seen yet (:data:`specjax.drafters.base.CATCH_UP`).
+
+    Attributes:
+      taps: [B, M, n, E] the target's taps of each step's root, in step order.
+      n: [B] int32 steps kept per row (< M between steps: M of them are handed over at once).
+    """
+
+    taps: jax.Array
+    n: jax.Array
 
 
 @jax.tree_util.register_dataclass
@@ -347,7 +365,9 @@ def speculative_generate(
         after each drafted cycle how many plain steps to run before drafting again
         (:class:`specjax.harness.Gate`), for drafters that offer ``skip``: an inner
         ``lax.while_loop`` of plain decoding steps, each writing the cache in place as
-        :func:`generate` does, so a run of them costs what plain decoding costs.
+        :func:`generate` does, so a run of them costs what plain decoding costs; a drafter
+        that offers ``catch_up`` takes those steps ``CATCH_UP`` at a time, the others through
+        ``skip`` and ``commit`` after every step.
       limits: optional [B] int32 per-row token limits in ``[1, max_new_tokens]`` (traced);
         default ``max_new_tokens``.
     Returns:
@@ -386,6 +406,10 @@ def speculative_generate(
     gated = budget is not None and budget.gated and hasattr(drafter, "skip")
     if gated:
         state = dataclasses.replace(state, gate=harness.Gate.start())
+    catching = gated and hasattr(drafter, "catch_up")
+    if catching:
+        state = dataclasses.replace(state, catch=CatchUp(
+            jnp.zeros((b, CATCH_UP) + prefill_taps.shape[2:], prefill_taps.dtype), zeros))
 
     def cond(s: SpecState):
         return ~jnp.all(s.done)
@@ -411,20 +435,39 @@ def speculative_generate(
         seq = jax.vmap(lambda row, t, at: row.at[at].set(t))(
             s.seq, jnp.where(running, tok, pad_id), s.seq_len)
         seq_len, n_generated = s.seq_len + count, s.n_generated + count
-        shape = jax.eval_shape(drafter.propose, drafter_params, s.dstate, ctx, draft_key)[0]
-        dstate = drafter.skip(drafter_params, s.dstate, ctx)
-        # A one-node path (Accepted allows any width): drafters catch up on one position.
-        dstate = drafter.commit(drafter_params, dstate, Context(seq, seq_len, sp), Accepted(
-            _no_proposal(shape, ctx.root), jnp.zeros((b, 1), jnp.int32),
-            jnp.zeros((b,), jnp.int32), count, t_taps[:, :1]))
+        dstate, catch = s.dstate, s.catch
+        if catching:
+            # Keep the root's taps; the drafter takes CATCH_UP steps at once (catch_up).
+            taps = jax.vmap(lambda buf, x, at: buf.at[at].set(x))(catch.taps, t_taps[:, 0],
+                                                                   catch.n)
+            catch = CatchUp(taps, catch.n + count)
+        else:
+            shape = jax.eval_shape(drafter.propose, drafter_params, s.dstate, ctx, draft_key)[0]
+            dstate = drafter.skip(drafter_params, s.dstate, ctx)
+            # A one-node path (Accepted allows any width): drafters catch up on one position.
+            dstate = drafter.commit(drafter_params, dstate, Context(seq, seq_len, sp), Accepted(
+                _no_proposal(shape, ctx.root), jnp.zeros((b, 1), jnp.int32),
+                jnp.zeros((b,), jnp.int32), count, t_taps[:, :1]))
         st = s.stats
         stats = dataclasses.replace(
             st, cycles=st.cycles + count, verified=st.verified + rows * count,
             accept_hist=st.accept_hist.at[:, 0].add(count))
-        return SpecState(seq=seq, seq_len=seq_len, n_generated=n_generated,
-                         done=s.done | hit | (n_generated >= limits), stopped=s.stopped | hit,
-                         cache=cache, dstate=dstate, rng=s.rng, cycle=s.cycle + 1,
-                         stats=stats, gate=s.gate.update(jnp.float32(0.0), jnp.any(running)))
+        s = SpecState(seq=seq, seq_len=seq_len, n_generated=n_generated,
+                      done=s.done | hit | (n_generated >= limits), stopped=s.stopped | hit,
+                      cache=cache, dstate=dstate, rng=s.rng, cycle=s.cycle + 1,
+                      stats=stats, gate=s.gate.update(jnp.float32(0.0), jnp.any(running)),
+                      catch=catch)
+        return catch_up(s, jnp.any(catch.n >= CATCH_UP)) if catching else s
+
+    def catch_up(s: SpecState, when: jax.Array) -> SpecState:
+        """Hands the kept plain steps to the drafter (``catch_up``) if ``when``."""
+        def take(s):
+            dstate = drafter.catch_up(drafter_params, s.dstate, Context(s.seq, s.seq_len, sp),
+                                      s.catch.taps, s.catch.n)
+            return dataclasses.replace(s, dstate=dstate,
+                                       catch=CatchUp(s.catch.taps, jnp.zeros_like(s.catch.n)))
+
+        return jax.lax.cond(when, take, lambda s: s, s)
 
     def body(s: SpecState):
         """One drafted cycle, then (gated) the run of plain steps the gate asks for."""
@@ -432,6 +475,9 @@ def speculative_generate(
         if gated:
             s = jax.lax.while_loop(lambda s: (s.gate.wait > 0) & ~jnp.all(s.done), plain_step,
                                    s)
+        if catching:
+            # The next cycle drafts from the whole committed sequence.
+            s = catch_up(s, jnp.any(s.catch.n > 0))
         return s
 
     def cycle(s: SpecState):
@@ -537,7 +583,7 @@ def speculative_generate(
             gate = gate.update(budget.advantage(k, mean_acc), jnp.any(running))
         return SpecState(seq=seq, seq_len=seq_len, n_generated=n_generated, done=done,
                          stopped=s.stopped | hit, cache=cache, dstate=dstate, rng=s.rng,
-                         cycle=s.cycle + 1, stats=stats, gate=gate)
+                         cycle=s.cycle + 1, stats=stats, gate=gate, catch=s.catch)
 
     state = jax.lax.while_loop(cond, body, state)
     idx = prompt_len[:, None] + jnp.arange(max_new_tokens)[None, :]

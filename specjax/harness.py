@@ -29,7 +29,8 @@ of a drafted cycle, in plain steps, is
 its running mean (an exponential average, weight ``GATE_ALPHA``) is kept, and while it is not
 positive the loop runs plain steps without drafting (an inner loop of plain decoding steps
 that write the cache in place, as fast as plain decoding's; the drafter catches up through
-its ``skip`` and ``commit``). A run of plain steps ends in a probe, one
+its ``catch_up``, the target's taps of up to ``CATCH_UP`` steps at once, or else through
+``skip`` and ``commit`` after every step). A run of plain steps ends in a probe, one
 drafted cycle whose advantage replaces the average; a successful probe resumes drafting. A
 failure that loses ``-a`` plain steps starts a run long enough that the loss is at most
 ``GATE_PROBE_SHARE`` of it (``-a / GATE_PROBE_SHARE`` steps) and at least twice the previous

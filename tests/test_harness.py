@@ -4,15 +4,17 @@ uses it (lossless at every bucket, the chosen widths, choices that follow the co
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specjax import api, harness
+from specjax import api, decode, harness, sampling
 from specjax.config import ModelConfig
 from specjax.drafters import dflash, eagle
-from specjax.drafters.base import FunctionDrafter, Proposal, chain_parents
+from specjax.drafters.base import CATCH_UP, FunctionDrafter, Proposal, chain_parents
 from specjax.drafters.draft_model import DraftModelDrafter
 from specjax.drafters.ngram import DECAY, NgramDrafter
 from specjax.models import target
@@ -222,6 +224,58 @@ def test_greedy_output_of_the_harness_equals_plain_for_every_drafter(name):
             assert (st.accepted <= st.drafted * drafter.max_depth).all()
         else:
             assert (st.drafted == st.cycles).all()
+
+
+@dataclasses.dataclass(frozen=True)
+class _PerStep:
+    """A drafter without ``catch_up``: the gate's plain steps feed it one at a time."""
+
+    inner: object
+
+    def __getattr__(self, name):
+        if name == "catch_up":
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+
+@pytest.mark.parametrize("name", ["draft-model", "eagle3-dynamic", "dflash-chain"])
+def test_catch_up_leaves_the_drafter_where_feeding_every_plain_step_does(name):
+    """40 tokens under a gate that drafts once per row: runs of plain steps longer than
+    CATCH_UP, handed over CATCH_UP at a time, leave the drafter's cache (and EAGLE's newest
+    output) as per-step ``skip`` + ``commit`` do, in every row's committed slots; the output is
+    plain decoding's either way."""
+    drafter, dp = EVERY_DRAFTER[name]
+    assert hasattr(drafter, "catch_up") and not hasattr(_PerStep(drafter), "catch_up")
+    tokens, lengths = api.pad_prompts(PROMPTS)
+    stop = api.generate_tokens(TINY, PARAMS, PROMPTS, max_new_tokens=40).tokens[1][30]
+    sp = sampling.SamplingParams.make(len(PROMPTS), 0.0, 0, 1.0)
+
+    def run(d):
+        return decode.speculative_generate(
+            PARAMS, dp, jnp.asarray(tokens), jnp.asarray(lengths), sp, jax.random.key(0),
+            target=TGT, drafter=d, max_new_tokens=40, capacity=128, stop_tokens=(stop,),
+            return_dstate=True, budget=NEVER_PAYS)
+
+    got, want = run(drafter), run(_PerStep(drafter))
+    np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
+    assert int(np.asarray(got.stats.drafted).max()) <= 1  # the rest were plain steps
+    assert int(np.asarray(got.n_generated).max()) > 2 * CATCH_UP
+    committed = np.asarray(lengths) + np.asarray(got.n_generated) - 1  # every token but the last
+    caches = [(got.dstate, want.dstate)] if name == "draft-model" else [
+        (got.dstate.cache, want.dstate.cache)]
+    for g, w in caches:
+        assert (np.asarray(g.lengths) >= committed).all() and (
+            np.asarray(w.lengths) >= committed).all()
+        rows = g.k[0].shape[0] // len(PROMPTS)
+        for gb, wb in zip(g.k + g.v, w.k + w.v):
+            for r, n in enumerate(committed):
+                want_rows = np.asarray(wb[r * rows:(r + 1) * rows, :n], np.float32)
+                np.testing.assert_allclose(np.asarray(gb[r * rows:(r + 1) * rows, :n], np.float32),
+                                           want_rows, rtol=1e-5,
+                                           atol=1e-5 * np.abs(want_rows).max())
+    if name.startswith("eagle"):
+        np.testing.assert_allclose(np.asarray(got.dstate.last), np.asarray(want.dstate.last),
+                                   rtol=1e-5, atol=1e-5)
 
 
 def test_prompt_lookup_learns_its_acceptance_rate_per_match_length():

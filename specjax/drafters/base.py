@@ -10,8 +10,14 @@ argument of ``jax.jit``) whose three methods are pure functions of arrays::
 and optionally ``skip(params, dstate, ctx: Context) -> dstate``, which brings the state up to
 the committed sequence without drafting (the cycle is then a plain step, and ``commit`` follows
 with nothing accepted): a cost-aware budget's gate uses it to stop drafting while drafting does
-not pay (:mod:`specjax.harness`); a drafter without it always drafts. Plus a host-side
-``check_target(target)`` that raises ValueError when it cannot draft for a
+not pay (:mod:`specjax.harness`); a drafter without it always drafts. A drafter may also
+offer ``catch_up(params, dstate, ctx: Context, taps[B, M, n, E], n_new[B]) -> dstate``
+(M = :data:`CATCH_UP`): the gate's plain steps then keep the target's taps of each step's
+root and hand up to M of them over at once, instead of calling ``skip`` and ``commit`` after
+every step. Row b decoded ``n_new[b]`` roots (the tokens after them are in ``ctx``), and
+``catch_up`` must leave the state where ``skip`` and ``commit`` after each of those steps
+would have, at the cost of one M-wide pass instead of ``n_new[b]`` one-position passes. Plus
+a host-side ``check_target(target)`` that raises ValueError when it cannot draft for a
 target (:mod:`specjax.targets`; a drafter that reads the target's weights checks widths and
 vocabularies there).
 
@@ -38,6 +44,8 @@ import jax
 import jax.numpy as jnp
 
 from specjax.sampling import SamplingParams
+
+CATCH_UP = 16  # M: plain steps whose taps a drafter's ``catch_up`` takes at once
 
 
 @jax.tree_util.register_dataclass

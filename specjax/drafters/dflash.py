@@ -54,8 +54,8 @@ import jax.numpy as jnp
 
 from specjax import sampling
 from specjax.config import ModelConfig
-from specjax.drafters.base import (Accepted, Context, Prefill, Proposal, chain_parents,
-                                   check_shapes)
+from specjax.drafters.base import (CATCH_UP, Accepted, Context, Prefill, Proposal,
+                                   chain_parents, check_shapes)
 from specjax.models import attention as attn
 from specjax.models import cache as cache_lib
 from specjax.models import layers
@@ -485,16 +485,23 @@ class DFlashDrafter:
     def init(self, params, prefill: Prefill) -> DFlashState:
         """Injects the context of every prompt position."""
         b = prefill.prompt.shape[0]
-        # A cycle injects up to Bk positions past the committed ones: leave room.
-        cache = cache_lib.init_cache(self.cfg.layer, b, prefill.capacity + self.max_depth + 1)
+        # A cycle or a catch-up injects up to max(Bk, CATCH_UP) positions past the committed
+        # ones: leave room.
+        cache = cache_lib.init_cache(self.cfg.layer, b,
+                                     prefill.capacity + max(self.max_depth + 1, CATCH_UP))
         return DFlashState(inject(self.cfg, params["drafter"], cache, prefill.taps,
                                   prefill.prompt_len))
 
     def commit(self, params, state: DFlashState, ctx: Context, accepted: Accepted) -> DFlashState:
         """Injects the context of the cycle's committed positions (the path's nodes, old root
         first, with the target's taps)."""
-        return DFlashState(inject(self.cfg, params["drafter"], state.cache, accepted.taps,
-                                  accepted.n_committed))
+        return self.catch_up(params, state, ctx, accepted.taps, accepted.n_committed)
+
+    def catch_up(self, params, state: DFlashState, ctx: Context, taps: jax.Array,
+                 n_new: jax.Array) -> DFlashState:
+        """Injects the context of the ``n_new[b]`` positions after the injected ones, from
+        their taps [B, T, n, E] (the first ``n_new[b]`` real)."""
+        return DFlashState(inject(self.cfg, params["drafter"], state.cache, taps, n_new))
 
     def block_logits(self, params, state: DFlashState, roots: jax.Array) -> jax.Array:
         """One pass over ``[root, mask...]``: float32 logits [B, Bk - 1, V] of the tokens 1..Bk-1

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 
 from specjax import sampling
 from specjax.config import ModelConfig
-from specjax.drafters.base import Context, Prefill, Proposal, chain_parents
+from specjax.drafters.base import CATCH_UP, Context, Prefill, Proposal, chain_parents
 from specjax.models import cache as cache_lib
 from specjax.models import target
 from specjax.tree import StaticTree
@@ -84,8 +84,9 @@ class DraftModelDrafter:
         """Prefills the draft model on the prompts; the state is its KV cache, whose
         ``lengths`` count the committed tokens it has seen."""
         b, p = prefill.prompt.shape
-        # Pending tokens and the chain are written past the committed length: leave room.
-        cache = cache_lib.init_cache(self.cfg, b, prefill.capacity + PENDING)
+        # Pending tokens, the chain and a catch-up are written past the committed length:
+        # leave room.
+        cache = cache_lib.init_cache(self.cfg, b, prefill.capacity + PENDING + CATCH_UP)
         positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
         _, _, cache = target.forward_hidden(params, self.cfg, prefill.prompt, positions, cache)
         return cache_lib.advance(cache, prefill.prompt_len)
@@ -105,6 +106,20 @@ class DraftModelDrafter:
     def skip(self, params, cache: cache_lib.KVCache, ctx: Context) -> cache_lib.KVCache:
         """Feeds the pending tokens without drafting (``commit`` then keeps nothing more)."""
         return self._feed_pending(params, cache, ctx)[1]
+
+    def catch_up(self, params, cache: cache_lib.KVCache, ctx: Context, taps: jax.Array,
+                 n_new: jax.Array) -> cache_lib.KVCache:
+        """Feeds every pending token but the root in one pass without the head (up to
+        ``PENDING - 1 + CATCH_UP`` of them: the cycle's plus the plain steps'); the next
+        ``propose`` feeds the root. The target's ``taps`` and ``n_new`` are not needed: the
+        tokens are in ``ctx``."""
+        width = PENDING - 1 + CATCH_UP
+        seen = cache.lengths  # [B]
+        idx = jnp.minimum(seen[:, None] + jnp.arange(width)[None, :], ctx.seq.shape[1] - 1)
+        block = jnp.take_along_axis(ctx.seq, idx, axis=1)  # [B, width]
+        _, _, cache = target.forward_hidden(params, self.cfg, block,
+                                            seen[:, None] + jnp.arange(width), cache)
+        return cache_lib.advance(cache, jnp.maximum(ctx.seq_len - 1 - seen, 0))
 
     def propose(self, params, cache: cache_lib.KVCache, ctx: Context, rng):
         """Drafts a chain; each node's confidence is the product of the draft model's own

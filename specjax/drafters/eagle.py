@@ -63,8 +63,8 @@ import numpy as np
 
 from specjax import sampling
 from specjax.config import ModelConfig
-from specjax.drafters.base import (Accepted, Context, Prefill, Proposal, chain_parents,
-                                   check_shapes)
+from specjax.drafters.base import (CATCH_UP, Accepted, Context, Prefill, Proposal,
+                                   chain_parents, check_shapes)
 from specjax.models import attention as attn
 from specjax.models import cache as cache_lib
 from specjax.models import layers
@@ -520,8 +520,9 @@ class EagleDrafter:
         (the first generated token after the last prompt position)."""
         b, p = prefill.prompt.shape
         lc = self.cfg.layer
-        # Pairs and a cycle's commit pass are written past the committed pairs: leave room.
-        cache = cache_lib.init_cache(lc, b, prefill.capacity + self.max_depth + 1)
+        # Pairs, a cycle's commit pass and a catch-up are written past the committed pairs:
+        # leave room.
+        cache = cache_lib.init_cache(lc, b, prefill.capacity + max(self.max_depth + 1, CATCH_UP))
         state = EagleState(cache, jnp.zeros((b, lc.d_model), lc.jnp_dtype))
         seq = jnp.concatenate([prefill.prompt, jnp.zeros((b, 1), jnp.int32)], axis=1)
         seq = jax.vmap(lambda s, t, i: s.at[i].set(t))(seq, prefill.first, prefill.prompt_len)
@@ -531,11 +532,17 @@ class EagleDrafter:
     def commit(self, params, state: EagleState, ctx: Context, accepted: Accepted) -> EagleState:
         """Feeds the cycle's committed pairs: the path's nodes (old root first) with their
         target features, each paired with the token committed after it."""
-        b, t = accepted.path.shape
+        return self.catch_up(params, state, ctx, accepted.taps, accepted.n_committed)
+
+    def catch_up(self, params, state: EagleState, ctx: Context, taps: jax.Array,
+                 n_new: jax.Array) -> EagleState:
+        """Feeds the pairs of the ``n_new[b]`` positions after the fed ones: their target
+        features ``taps`` [B, T, n, E] (the first ``n_new[b]`` real), each paired with the
+        token committed after it in ``ctx``."""
+        b, t = taps.shape[:2]
         idx = state.cache.lengths[:, None] + 1 + jnp.arange(t, dtype=jnp.int32)[None, :]
         tokens = jnp.take_along_axis(ctx.seq, jnp.minimum(idx, ctx.seq.shape[1] - 1), axis=1)
-        hidden = accepted.taps.reshape(b, t, -1)
-        return self._feed(params, state, tokens, hidden, accepted.n_committed)
+        return self._feed(params, state, tokens, taps.reshape(b, t, -1), n_new)
 
     # -- drafting ----------------------------------------------------------------------
 
