@@ -249,11 +249,18 @@ def test_one_row_step_never_copies_a_weight(row_weights):
     assert copies == []
 
 
+def _assert_reassociated(got, want):
+    """float32 results equal up to summation order: within 1e-5 of the array's largest value."""
+    want = np.asarray(want)
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * max(np.abs(want).max(), 1.0))
+
+
 @pytest.mark.parametrize("tree", [False, True], ids=["causal", "tree"])
 def test_forward_fresh_then_write_equals_forward(tree):
     """The read-only pass attends to the cache and to its own tokens as a separate block; its
-    logits and taps match the writing pass up to summation order (relative 1e-5 on values
-    up to ~20 here), and writing what it returns gives the writing pass's cache."""
+    logits and taps match the writing pass up to summation order (1e-5 of each array's largest
+    magnitude: reassociation error scales with the summed terms, not with each element), and
+    writing what it returns gives the writing pass's cache."""
     params = target.init_params(TINY, 0, scale=0.3)
     cache = cache_lib.init_cache(TINY, 2, 16)
     prompt = jax.random.randint(jax.random.key(3), (2, 5), 0, TINY.vocab_size)
@@ -270,11 +277,11 @@ def test_forward_fresh_then_write_equals_forward(tree):
                                                  taps=(1, 2))
     fresh_fn = jax.jit(target.forward_fresh, static_argnums=1, static_argnames="taps")
     logits, taps, fresh = fresh_fn(params, TINY, tokens, positions, cache, mask, taps=(1, 2))
-    np.testing.assert_allclose(logits, want_logits, atol=1e-5, rtol=1e-5)  # float32 reassociation
-    np.testing.assert_allclose(taps, want_taps, atol=1e-5, rtol=1e-5)  # float32 reassociation
+    _assert_reassociated(logits, want_logits)
+    _assert_reassociated(taps, want_taps)
     written = cache_lib.write(cache, fresh)
     for got, want in zip(written.k + written.v, want_cache.k + want_cache.v):
-        np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)  # float32 reassociation
+        _assert_reassociated(got, want)
     np.testing.assert_array_equal(written.lengths, cache.lengths)
     # Taking an accepted path of the fresh entries and committing it equals committing the
     # same path of the written pass (row 0 keeps root + node 2 + node 3, row 1 the root).
@@ -286,4 +293,4 @@ def test_forward_fresh_then_write_equals_forward(tree):
     for g, w in zip(got.k + got.v, want.k + want.v):
         for row, length in enumerate(np.asarray(want.lengths)):
             rows = slice(row * TINY.n_kv_heads, (row + 1) * TINY.n_kv_heads)
-            np.testing.assert_allclose(g[rows, :length], w[rows, :length], atol=1e-5, rtol=1e-5)
+            _assert_reassociated(g[rows, :length], w[rows, :length])
