@@ -391,9 +391,11 @@ def _add_data(sub):
     d.add_argument("--top-p", type=float, default=0.8, help="(default: %(default)s)")
     d.add_argument("--seed", type=int, default=0, help="(default: %(default)s)")
     d.add_argument("--batch-size", type=int, default=32,
-                   help="prompts per generation call (default: %(default)s)")
+                   help="rows decoding at once, refilled as answers end (default: %(default)s)")
+    d.add_argument("--chunk", type=int, default=32,
+                   help="decode steps between refills of the rows (default: %(default)s)")
     d.add_argument("--shard-size", type=int, default=256,
-                   help="prompts per shard file, a multiple of --batch-size (default: %(default)s)")
+                   help="prompts per shard file (default: %(default)s)")
     d.add_argument("--no-progress", action="store_true", help="no progress bar")
     d.set_defaults(func=_distill)
     f = data_sub.add_parser(
@@ -462,7 +464,7 @@ def _distill(args) -> int:
         inputs=tuple(distill.InputSpec.parse(s) for s in args.input), target=args.model,
         dtype=args.dtype, system=args.system, max_prompt_tokens=args.max_prompt_tokens,
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-        top_p=args.top_p, seed=args.seed, batch_size=args.batch_size,
+        top_p=args.top_p, seed=args.seed, batch_size=args.batch_size, chunk=args.chunk,
         shard_size=args.shard_size, max_prompts=args.max_prompts,
         exclude_task_ids=args.exclude_task_ids, drop_eval_overlap=args.drop_eval_overlap)
     manifest = distill.distill(cfg, args.out, progress=not args.no_progress)

@@ -132,17 +132,11 @@ def generate(
     def cond(s: PlainState):
         return (s.step < max_new_tokens) & ~jnp.all(s.done)
 
-    rows = targets_lib.step_tokens(target)  # 2 in bfloat16: the copy's key/value is scratch
-    root_path = jnp.zeros((b, 1), jnp.int32)
-
     def body(s: PlainState):
-        positions = (prompt_len + s.n_generated - 1)[:, None] + jnp.arange(rows)[None, :]
-        tokens = jnp.repeat(s.last[:, None], rows, axis=1)
-        logits, _, cache = target.forward(params, tokens, positions, s.cache, None)
-        tok = sampling.sample_rows(row_keys(s.rng, b, s.step), logits[:, 0], sp)
         running = ~s.done
-        # Finished rows stop advancing their cache so they can never run past capacity.
-        cache = target.commit(cache, root_path, running.astype(jnp.int32))
+        tok, _, cache = plain_step(target, params, s.cache, s.last,
+                                   prompt_len + s.n_generated - 1, row_keys(s.rng, b, s.step),
+                                   sp, running)
         tok = jnp.where(running, tok, pad_id)
         out = jax.lax.dynamic_update_slice(s.out, tok[:, None], (0, s.step))
         hit = running & is_stop(tok, stop_tokens)
@@ -154,6 +148,25 @@ def generate(
 
     state = jax.lax.while_loop(cond, body, state)
     return Generation(tokens=state.out, n_generated=state.n_generated, stopped=state.stopped)
+
+
+def plain_step(target, params, cache, last: jax.Array, positions: jax.Array, keys: jax.Array,
+               sp: sampling.SamplingParams, running: jax.Array, taps: tuple[int, ...] = ()):
+    """One plain decoding step of every row: ``(tokens [B] int32, step_taps, cache)``.
+
+    Feeds ``last`` [B] at ``positions`` [B] (each row's committed length), samples each row's
+    next token with its key from ``keys`` [B], and commits the fed token's K/V only for
+    ``running`` [B] rows: finished rows stop advancing their cache, so they never run past its
+    capacity (their sampled token is meaningless). ``step_taps`` is the fed token's
+    [B, 1, len(taps), E] target taps at the layers ``taps`` (what a drafter catches up on).
+    """
+    rows = targets_lib.step_tokens(target)  # 2 in bfloat16: the copy's key/value is scratch
+    tokens = jnp.repeat(last[:, None], rows, axis=1)
+    logits, step_taps, cache = target.forward(
+        params, tokens, positions[:, None] + jnp.arange(rows), cache, None, taps)
+    tok = sampling.sample_rows(keys, logits[:, 0], sp)
+    root_path = jnp.zeros((last.shape[0], 1), jnp.int32)
+    return tok, step_taps[:, :1], target.commit(cache, root_path, running.astype(jnp.int32))
 
 
 def _limits(limits: jax.Array | None, batch: int, max_new_tokens: int) -> jax.Array:
@@ -414,9 +427,7 @@ def speculative_generate(
     def cond(s: SpecState):
         return ~jnp.all(s.done)
 
-    rows = targets_lib.step_tokens(target)
-
-    def plain_step(s: SpecState):
+    def gated_step(s: SpecState):
         """One step of a gated run of plain steps (harness.Gate): the target writes the
         root's key/value and samples the next token as plain decoding does, and the drafter
         catches up as after a cycle that accepted nothing (``skip``, then ``commit`` of the
@@ -424,14 +435,11 @@ def speculative_generate(
         ctx = Context(s.seq, s.seq_len, sp)
         draft_key, verify_key = cycle_keys(s.rng, s.cycle)
         running = ~s.done
-        positions = (s.seq_len - 1)[:, None] + jnp.arange(rows)[None, :]
-        t_logits, t_taps, cache = target.forward(
-            params, jnp.repeat(ctx.root[:, None], rows, axis=1), positions, s.cache, None,
-            drafter.taps)
-        tok = sampling.sample_rows(row_keys(verify_key, b, jnp.int32(0)), t_logits[:, 0], sp)
+        tok, t_taps, cache = plain_step(target, params, s.cache, ctx.root, s.seq_len - 1,
+                                        row_keys(verify_key, b, jnp.int32(0)), sp, running,
+                                        drafter.taps)
         hit = running & is_stop(tok, stop_tokens)
         count = running.astype(jnp.int32)
-        cache = target.commit(cache, jnp.zeros((b, 1), jnp.int32), count)
         seq = jax.vmap(lambda row, t, at: row.at[at].set(t))(
             s.seq, jnp.where(running, tok, pad_id), s.seq_len)
         seq_len, n_generated = s.seq_len + count, s.n_generated + count
@@ -450,7 +458,8 @@ def speculative_generate(
                 jnp.zeros((b,), jnp.int32), count, t_taps[:, :1]))
         st = s.stats
         stats = dataclasses.replace(
-            st, cycles=st.cycles + count, verified=st.verified + rows * count,
+            st, cycles=st.cycles + count,
+            verified=st.verified + targets_lib.step_tokens(target) * count,
             accept_hist=st.accept_hist.at[:, 0].add(count))
         s = SpecState(seq=seq, seq_len=seq_len, n_generated=n_generated,
                       done=s.done | hit | (n_generated >= limits), stopped=s.stopped | hit,
@@ -473,7 +482,7 @@ def speculative_generate(
         """One drafted cycle, then (gated) the run of plain steps the gate asks for."""
         s = cycle(s)
         if gated:
-            s = jax.lax.while_loop(lambda s: (s.gate.wait > 0) & ~jnp.all(s.done), plain_step,
+            s = jax.lax.while_loop(lambda s: (s.gate.wait > 0) & ~jnp.all(s.done), gated_step,
                                    s)
         if catching:
             # The next cycle drafts from the whole committed sequence.

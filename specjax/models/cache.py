@@ -135,6 +135,26 @@ def take(fresh: Fresh, path: jax.Array) -> Fresh:
                  v=tuple(jnp.take_along_axis(x, idx, axis=1) for x in fresh.v))
 
 
+def insert_row(cache: KVCache, row: KVCache, b: jax.Array) -> KVCache:
+    """Puts a one-row cache into batch row ``b`` (scalar int32) of ``cache``: its S' <= S slots
+    go to slots ``[0, S')`` and its length becomes row b's; row b's old entries are dropped."""
+    k = row.k[0].shape[0]  # kv heads
+    start = (b * k, 0, 0)
+    put = lambda dst, src: tuple(  # noqa: E731
+        jax.lax.dynamic_update_slice(x, y, start) for x, y in zip(dst, src))
+    return KVCache(k=put(cache.k, row.k), v=put(cache.v, row.v),
+                   lengths=cache.lengths.at[b].set(row.lengths[0]))
+
+
+def extend(cache: KVCache, capacity: int) -> KVCache:
+    """The cache with ``capacity`` >= S slots per row (new slots zero, lengths unchanged)."""
+    if capacity < cache.capacity:
+        raise ValueError(f"cannot shrink a cache of {cache.capacity} slots to {capacity}")
+    pad = ((0, 0), (0, capacity - cache.capacity), (0, 0))
+    return KVCache(k=tuple(jnp.pad(x, pad) for x in cache.k),
+                   v=tuple(jnp.pad(x, pad) for x in cache.v), lengths=cache.lengths)
+
+
 def advance(cache: KVCache, n: jax.Array) -> KVCache:
     """Commits the first ``n[b]`` freshly written slots of each row as they are."""
     return dataclasses.replace(cache, lengths=cache.lengths + n.astype(jnp.int32))

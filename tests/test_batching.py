@@ -1,0 +1,59 @@
+"""Continuous batching (specjax.batching) against one plain batch holding every request."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from specjax import api, batching
+from specjax.config import ModelConfig
+from specjax.models import target
+
+TINY = ModelConfig(arch="llama", vocab_size=61, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
+                   head_dim=8, d_ff=48)
+PARAMS = target.init_params(TINY, 0, scale=0.5)
+RNG = np.random.default_rng(0)
+# Eight requests of mixed lengths and limits: a pool of 3 rows starts with 128 cache slots,
+# refills five times (short requests land in slots that held longer ones), and grows to 256
+# slots while requests are running when the 140-token prompt enters.
+PROMPTS = [RNG.integers(0, TINY.vocab_size, n).tolist() for n in (3, 9, 1, 140, 5, 2, 12, 4)]
+LIMITS = [10, 3, 14, 3, 8, 12, 5, 1]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
+def test_pool_gives_one_plain_batch_tokens(temperature):
+    """Request i draws with plain decoding's row-i keys, so a pool of 3 rows refilled between
+    chunks of 4 steps gives one 8-row plain batch's tokens, stop flags included."""
+    kw = dict(max_new_tokens=LIMITS, temperature=temperature, top_k=20, top_p=0.9, seed=7)
+    free = api.generate_tokens(TINY, PARAMS, PROMPTS, **kw)
+    # A stop token the plain run emits mid-way, so some requests end on it and others on a limit.
+    stop = free.tokens[0][4]
+    want = api.generate_tokens(TINY, PARAMS, PROMPTS, stop_tokens=[stop], **kw)
+    seen = []
+    got = batching.generate(TINY, PARAMS, PROMPTS, stop_tokens=[stop], pool_size=3, chunk=4,
+                            on_finish=lambda f: seen.append(f.index), **kw)
+    assert [f.index for f in got] == list(range(len(PROMPTS)))
+    assert sorted(seen) == list(range(len(PROMPTS)))
+    assert [f.tokens for f in got] == want.tokens
+    assert [f.stopped for f in got] == want.stopped
+    assert any(want.stopped) and not all(want.stopped)
+
+
+def test_pool_size_and_chunk_do_not_change_the_tokens():
+    kw = dict(max_new_tokens=LIMITS, temperature=1.0, seed=3)
+    one = batching.generate(TINY, PARAMS, PROMPTS, pool_size=1, chunk=16, **kw)
+    many = batching.generate(TINY, PARAMS, PROMPTS, pool_size=5, chunk=1, **kw)
+    assert [f.tokens for f in one] == [f.tokens for f in many]
+
+
+@pytest.mark.parametrize("prompts, kw, match", [
+    ([], {}, "no prompts"),
+    ([[1], []], {}, "prompt 1 is empty"),
+    ([[1, 99]], {}, "token ids outside"),
+    ([[1]], dict(max_new_tokens=0), "max_new_tokens must be >= 1"),
+    ([[1] * 10], dict(max_new_tokens=TINY.max_position_embeddings), "positions"),
+    ([[1]], dict(pool_size=0), "pool_size"),
+])
+def test_bad_requests_are_refused(prompts, kw, match):
+    with pytest.raises(ValueError, match=match):
+        batching.generate(TINY, PARAMS, prompts, **kw)
