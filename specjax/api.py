@@ -100,6 +100,17 @@ class GenerateResult:
 _COMPILED: dict = {}
 
 
+def request_limits(max_new_tokens: int | Sequence[int], n: int) -> np.ndarray:
+    """[n] int32 token limits from one shared limit or one per request (each >= 1)."""
+    if np.ndim(max_new_tokens) and np.size(max_new_tokens) != n:
+        raise ValueError(f"{np.size(max_new_tokens)} max_new_tokens for {n} prompts: "
+                         "give one, or one per prompt")
+    limits = np.broadcast_to(np.asarray(max_new_tokens, np.int64), (n,))
+    if limits.min() < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {int(limits.min())}")
+    return limits.astype(np.int32)
+
+
 def _compiled(fn, args: tuple, traced: dict, statics: dict):
     """An ahead-of-time compiled ``fn`` for these argument structures (positional ``args``,
     keyword ``traced``) and statics, cached."""
@@ -161,12 +172,7 @@ def generate_tokens(
     """
     if not prompts:
         raise ValueError("no prompts given")
-    if np.ndim(max_new_tokens) and np.size(max_new_tokens) != len(prompts):
-        raise ValueError(f"{np.size(max_new_tokens)} max_new_tokens for {len(prompts)} prompts: "
-                         "give one, or one per prompt")
-    limits = np.broadcast_to(np.asarray(max_new_tokens, np.int64), (len(prompts),))
-    if limits.min() < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {int(limits.min())}")
+    limits = request_limits(max_new_tokens, len(prompts))
     max_new_tokens = int(limits.max())
     if new_tokens_width is not None and new_tokens_width < max_new_tokens:
         raise ValueError(f"new_tokens_width={new_tokens_width} is below max_new_tokens="

@@ -214,9 +214,7 @@ def generate(
         raise ValueError("no prompts given")
     if pool_size < 1 or chunk < 1:
         raise ValueError(f"pool_size and chunk must be >= 1, got {pool_size} and {chunk}")
-    limits = np.broadcast_to(np.asarray(max_new_tokens, np.int64), (n,)).astype(np.int32)
-    if limits.min() < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {int(limits.min())}")
+    limits = api.request_limits(max_new_tokens, n)
     api.check_tokens(prompts, cfg.vocab_size)
     lengths = [len(p) for p in prompts]
     if min(lengths) < 1:

@@ -51,6 +51,7 @@ def test_pool_size_and_chunk_do_not_change_the_tokens():
     ([[1], []], {}, "prompt 1 is empty"),
     ([[1, 99]], {}, "token ids outside"),
     ([[1]], dict(max_new_tokens=0), "max_new_tokens must be >= 1"),
+    ([[1], [2]], dict(max_new_tokens=[4, 4, 4]), "3 max_new_tokens for 2 prompts"),
     ([[1] * 10], dict(max_new_tokens=TINY.max_position_embeddings), "positions"),
     ([[1]], dict(pool_size=0), "pool_size"),
 ])
