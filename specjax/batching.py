@@ -7,10 +7,15 @@ Here a pool of B rows decodes in jitted chunks of up to ``chunk`` steps; between
 takes out the rows that finished and prefills waiting requests into their slots, so nearly every
 row-step produces a token. A host round-trip per chunk (not per token) is the price.
 
+The cache follows what the running rows use: before each chunk it is resized (grown or cut, in
+steps of ``CAPACITY_MULTIPLE`` slots) to the most slots any row can reach by the chunk's end, so
+the attention of a pool whose long requests have left stops paying for their slots.
+
 Determinism: request i draws its token j with the key ``fold_in(fold_in(key(seed), i), j)``, the
-key :func:`specjax.decode.generate` gives row i of one batch holding every request, and a
-request's prompt is prefilled alone. Its tokens therefore depend on its prompt, its sampling
-parameters and the seed, not on the pool size, its slot or when it ran, up to floating-point
+key :func:`specjax.decode.generate` gives row i of one batch holding every request (per-request
+seeds and ids let one pool serve several such batches), and a request's prompt is prefilled
+alone. Its tokens therefore depend on its prompt, its sampling parameters and its key, not on the
+pool size, its slot, its neighbours, the cache's capacity or when it ran, up to floating-point
 reassociation inside the batched decode step (``tests/test_batching.py`` checks equality with
 one plain batch). The schedule itself is a function of the requests, so a rerun gives the same
 results.
@@ -34,7 +39,7 @@ from specjax.models import cache as cache_lib
 from specjax.targets import DecoderTarget
 
 PREFILL_BUCKET = 64  # prompt widths round up to this: one prefill executable per bucket
-CAPACITY_MULTIPLE = 128  # the pool's cache grows in steps of this many slots
+CAPACITY_MULTIPLE = 128  # the pool's cache is resized in steps of this many slots
 
 
 @jax.tree_util.register_dataclass
@@ -50,7 +55,7 @@ class Pool:
       limit: [B] int32 token limit of the row's request.
       done: [B] bool, the row's request ended (stop token or limit), or the row is empty.
       stopped: [B] bool, the request ended on a stop token.
-      request: [B] int32 index of the row's request (its sampling keys derive from it).
+      key: [B] PRNG keys, each row's request key (its token j draws with ``fold_in(key, j)``).
       sp: the rows' sampling parameters ([B] each).
     """
 
@@ -61,14 +66,14 @@ class Pool:
     limit: jax.Array
     done: jax.Array
     stopped: jax.Array
-    request: jax.Array
+    key: jax.Array
     sp: sampling.SamplingParams
 
 
-def _keys(rng: jax.Array, request: jax.Array, index: jax.Array) -> jax.Array:
-    """[B] keys: token ``index[b]`` of request ``request[b]`` (as :func:`decode.row_keys`)."""
-    return jax.vmap(lambda r, i: jax.random.fold_in(jax.random.fold_in(rng, r), i))(request,
-                                                                                   index)
+def _keys(key: jax.Array, index: jax.Array) -> jax.Array:
+    """[B] keys: token ``index[b]`` of the request whose key is ``key[b]`` (a request key is
+    ``fold_in(key(seed), i)``, so this is :func:`decode.row_keys`' key of row i)."""
+    return jax.vmap(jax.random.fold_in)(key, index)
 
 
 def empty_pool(cfg: ModelConfig, rows: int, capacity: int, width: int) -> Pool:
@@ -79,39 +84,40 @@ def empty_pool(cfg: ModelConfig, rows: int, capacity: int, width: int) -> Pool:
 
     return Pool(cache=cache_lib.init_cache(cfg, rows, capacity), last=zeros(),
                 out=jnp.zeros((rows, width), jnp.int32), n_generated=zeros(), limit=zeros(),
-                done=jnp.ones((rows,), bool), stopped=jnp.zeros((rows,), bool), request=zeros(),
+                done=jnp.ones((rows,), bool), stopped=jnp.zeros((rows,), bool),
+                key=jax.random.split(jax.random.key(0), rows),
                 sp=sampling.SamplingParams.make(rows))
 
 
 @functools.partial(jax.jit, static_argnames=("target", "stop_tokens"))
-def prefill_one(params, prompt: jax.Array, prompt_len: jax.Array, request: jax.Array,
-                sp: sampling.SamplingParams, rng: jax.Array, *, target: DecoderTarget,
+def prefill_one(params, prompt: jax.Array, prompt_len: jax.Array, key: jax.Array,
+                sp: sampling.SamplingParams, *, target: DecoderTarget,
                 stop_tokens: tuple[int, ...]):
     """Prefills one request alone and samples its first token.
 
     Args:
       params: target params.
       prompt: [1, P] int32 right-padded prompt; prompt_len: [1] int32 its true length.
-      request: scalar int32 request index (its keys derive from it).
-      sp: the request's sampling parameters ([1] each); rng: the base key of the whole run.
+      key: the request's key (scalar PRNG key); sp: its sampling parameters ([1] each).
       target: static :class:`DecoderTarget`; stop_tokens: static ids that end a request.
     Returns:
       ``(row, first, hit)``: a one-row cache of P slots, the first token (scalar int32) and
       whether it is a stop token.
     """
     logits, _, row = target.prefill(params, prompt, prompt_len, prompt.shape[1])
-    keys = _keys(rng, request[None], jnp.zeros((1,), jnp.int32))
+    keys = _keys(key[None], jnp.zeros((1,), jnp.int32))
     first = sampling.sample_rows(keys, logits, sp)[0]
     return row, first, decode.is_stop(first, stop_tokens)
 
 
 @functools.partial(jax.jit, donate_argnames="pool")
 def insert(pool: Pool, slot: jax.Array, row: cache_lib.KVCache, first: jax.Array,
-           hit: jax.Array, request: jax.Array, limit: jax.Array,
+           hit: jax.Array, key: jax.Array, limit: jax.Array,
            sp: sampling.SamplingParams) -> Pool:
     """Puts a prefilled request (:func:`prefill_one`) in row ``slot`` of the pool (donated:
-    updated in place); the slot's previous request must have been taken out. ``limit`` is
-    its token limit (scalar int32 >= 1)."""
+    updated in place); the slot's previous request must have been taken out. ``key`` is the
+    request's key and ``limit`` its token limit (scalar int32 >= 1); the pool's capacity must
+    hold the row's slots."""
     w = pool.out.shape[1]
     put = lambda x, v: x.at[slot].set(v)  # noqa: E731
     return Pool(
@@ -119,19 +125,31 @@ def insert(pool: Pool, slot: jax.Array, row: cache_lib.KVCache, first: jax.Array
         out=put(pool.out, jnp.zeros((w,), jnp.int32).at[0].set(first)),
         n_generated=put(pool.n_generated, 1), limit=put(pool.limit, limit),
         done=put(pool.done, hit | (limit <= 1)), stopped=put(pool.stopped, hit),
-        request=put(pool.request, request),
+        key=put(pool.key, key),
         sp=jax.tree.map(lambda a, b: a.at[slot].set(b[0]), pool.sp, sp))
 
 
 @functools.partial(jax.jit, static_argnames="capacity")
-def grow(pool: Pool, *, capacity: int) -> Pool:
-    """The pool with ``capacity`` cache slots per row (at least its current capacity)."""
-    return dataclasses.replace(pool, cache=cache_lib.extend(pool.cache, capacity))
+def resize(pool: Pool, *, capacity: int) -> Pool:
+    """The pool with ``capacity`` cache slots per row (:func:`specjax.models.cache.resize`:
+    running rows need ``capacity`` above their lengths)."""
+    return dataclasses.replace(pool, cache=cache_lib.resize(pool.cache, capacity))
+
+
+def slots_needed(prompt_len: int, n_generated: int, need: int, steps: int, extra: int) -> int:
+    """Cache slots one row can touch by the end of a chunk of ``steps`` decode steps.
+
+    Its committed length is ``prompt_len + n_generated - 1`` (the newest token is not in the
+    cache yet); each step writes one slot past the committed ones plus ``extra`` scratch slots
+    (a bfloat16 step's second row). ``need`` (at least the prompt's prefill width) caps it: the
+    most the request can ever use.
+    """
+    return min(need, prompt_len + n_generated - 1 + steps + extra)
 
 
 @functools.partial(jax.jit, static_argnames=("target", "steps", "stop_tokens"),
                    donate_argnames="pool")
-def decode_chunk(params, pool: Pool, rng: jax.Array, *, target: DecoderTarget, steps: int,
+def decode_chunk(params, pool: Pool, *, target: DecoderTarget, steps: int,
                  stop_tokens: tuple[int, ...]) -> Pool:
     """Up to ``steps`` plain decoding steps of every running row (fewer when all are done)."""
     b, w = pool.out.shape
@@ -139,7 +157,7 @@ def decode_chunk(params, pool: Pool, rng: jax.Array, *, target: DecoderTarget, s
     def body(carry):
         i, p = carry
         running = ~p.done
-        keys = _keys(rng, p.request, p.n_generated)
+        keys = _keys(p.key, p.n_generated)
         tok, _, cache = decode.plain_step(target, params, p.cache, p.last, p.cache.lengths,
                                           keys, p.sp, running)
         col = jnp.where(running, p.n_generated, w)  # past the end: dropped
@@ -180,7 +198,8 @@ def generate(
     temperature: float | Sequence[float] = 0.0,
     top_k: int | Sequence[int] = 0,
     top_p: float | Sequence[float] = 1.0,
-    seed: int = 0,
+    seed: int | Sequence[int] = 0,
+    request_ids: Sequence[int] | None = None,
     stop_tokens: Sequence[int] = (),
     pool_size: int = 64,
     chunk: int = 32,
@@ -188,16 +207,19 @@ def generate(
 ) -> list[Finished]:
     """Plain generation for many token-id prompts through a pool of ``pool_size`` rows.
 
-    Requests enter the pool in the given order as rows free up. The pool's cache holds the
-    longest request let in so far and grows when a longer one enters; attention reads all of
-    it on every step, so giving prompts shortest first keeps it small for longest.
+    Requests enter the pool in the given order as rows free up. Before each chunk the cache is
+    resized to the slots its rows can reach by the chunk's end; attention reads all of it on
+    every step, so giving prompts shortest first keeps it small for longest.
 
     Args:
       cfg, params: the target model.
       prompts: token-id lists, any lengths >= 1.
       max_new_tokens, temperature, top_k, top_p: per request, shared or one each (as
         :func:`specjax.api.generate_tokens`).
-      seed: request i's randomness depends only on (seed, i).
+      seed: shared or one per request; request i draws its token j with the key
+        ``fold_in(fold_in(key(seed_i), id_i), j)``: row ``id_i`` of a plain batch with seed
+        ``seed_i``.
+      request_ids: ``id_i`` of each request (default: its position, i).
       stop_tokens: ids that end a request.
       pool_size: rows decoding at once (B).
       chunk: decode steps between the host's refills; a row that ends mid-chunk idles until
@@ -206,8 +228,8 @@ def generate(
     Returns:
       The :class:`Finished` of every request, in input order.
     Raises:
-      ValueError: bad sampling values, an out-of-vocabulary token, an empty prompt, or a
-        request longer than the model's context.
+      ValueError: bad sampling values, an out-of-vocabulary token, an empty prompt, a request
+        longer than the model's context, or per-request seeds or ids not one per prompt.
     """
     n = len(prompts)
     if not n:
@@ -215,6 +237,11 @@ def generate(
     if pool_size < 1 or chunk < 1:
         raise ValueError(f"pool_size and chunk must be >= 1, got {pool_size} and {chunk}")
     limits = api.request_limits(max_new_tokens, n)
+    seeds = [int(seed)] * n if np.isscalar(seed) else [int(x) for x in seed]
+    ids = list(range(n)) if request_ids is None else [int(x) for x in request_ids]
+    if len(seeds) != n or len(ids) != n:
+        raise ValueError(f"{len(seeds)} seeds and {len(ids)} request_ids for {n} prompts; "
+                         "give one each (or one shared seed and no ids)")
     api.check_tokens(prompts, cfg.vocab_size)
     lengths = [len(p) for p in prompts]
     if min(lengths) < 1:
@@ -222,42 +249,53 @@ def generate(
     sp = sampling.SamplingParams.make(n, temperature, top_k, top_p)
     target = DecoderTarget(cfg)
     extra = targets_lib.step_tokens(target) - 1  # a bfloat16 step's scratch row
-    # Slots request i needs: its prompt's prefill width and every token it may feed.
-    need = [max(api.round_up(ln, PREFILL_BUCKET), ln + int(lim) + extra)
-            for ln, lim in zip(lengths, limits)]
+    width = [api.round_up(ln, PREFILL_BUCKET) for ln in lengths]
+    # Slots request i may ever use: its prompt's prefill width and every token it may feed.
+    need = [max(w, ln + int(lim) + extra) for w, ln, lim in zip(width, lengths, limits)]
     if max(need) > cfg.max_position_embeddings:
         i = int(np.argmax(need))
         raise ValueError(f"prompt {i} plus its max_new_tokens needs {need[i]} positions; the "
                          f"model has {cfg.max_position_embeddings}")
     rows = min(pool_size, n)
-    # The cache grows with the longest request let in (attention reads every slot, so a pool
-    # of short requests sized for the longest one would pay for it on every step).
-    capacity = api.round_up(max(need[:rows]), CAPACITY_MULTIPLE)
-    pool = empty_pool(cfg, rows, capacity, int(limits.max()))
-    rng = jax.random.key(seed)
+    bases = {s: jax.random.key(s) for s in set(seeds)}
     stops = tuple(int(t) for t in stop_tokens)
     waiting = collections.deque(range(n))
     owner: list[int | None] = [None] * rows
+    n_gen = np.zeros(rows, np.int64)  # the host's copy after each chunk
     results: list[Finished | None] = [None] * n
+    pool = None
 
-    def fill(pool, slot):
-        i = waiting.popleft()
-        if need[i] > pool.cache.capacity:
-            pool = grow(pool, capacity=api.round_up(need[i], CAPACITY_MULTIPLE))
+    def fill(pool, slot, i):
         tokens, length = api.pad_prompts([prompts[i]], PREFILL_BUCKET)
         row_sp = jax.tree.map(lambda a: a[i:i + 1], sp)
-        row, first, hit = prefill_one(params, jnp.asarray(tokens), jnp.asarray(length),
-                                      jnp.int32(i), row_sp, rng, target=target, stop_tokens=stops)
-        owner[slot] = i
-        return insert(pool, jnp.int32(slot), row, first, hit, jnp.int32(i),
-                      jnp.int32(limits[i]), row_sp)
+        key = jax.random.fold_in(bases[seeds[i]], ids[i])
+        row, first, hit = prefill_one(params, jnp.asarray(tokens), jnp.asarray(length), key,
+                                      row_sp, target=target, stop_tokens=stops)
+        return insert(pool, jnp.int32(slot), row, first, hit, key, jnp.int32(limits[i]), row_sp)
 
-    for slot in range(rows):
-        pool = fill(pool, slot)
-    while any(o is not None for o in owner):
-        pool = decode_chunk(params, pool, rng, target=target, steps=chunk, stop_tokens=stops)
+    while True:
+        entering = []
+        for slot in range(rows):
+            if owner[slot] is None and waiting:
+                owner[slot] = waiting.popleft()
+                n_gen[slot] = 1
+                entering.append(slot)
+        if all(i is None for i in owner):
+            break
+        reach = max(max(width[i] if slot in entering else 0,
+                        slots_needed(lengths[i], int(n_gen[slot]), need[i], chunk, extra))
+                    for slot, i in enumerate(owner) if i is not None)
+        capacity = api.round_up(reach, CAPACITY_MULTIPLE)
+        if pool is None:
+            pool = empty_pool(cfg, rows, capacity, int(limits.max()))
+        elif capacity != pool.cache.capacity:
+            pool = resize(pool, capacity=capacity)
+        for slot in entering:
+            pool = fill(pool, slot, owner[slot])
+        pool = decode_chunk(params, pool, target=target, steps=chunk, stop_tokens=stops)
         done, out, n_gen, stopped = jax.device_get(
             (pool.done, pool.out, pool.n_generated, pool.stopped))
+        n_gen = np.array(n_gen, np.int64)
         for slot, i in enumerate(owner):
             if i is None or not done[slot]:
                 continue
@@ -265,6 +303,4 @@ def generate(
             owner[slot] = None
             if on_finish is not None:
                 on_finish(results[i])
-            if waiting:
-                pool = fill(pool, slot)
     return results

@@ -146,13 +146,19 @@ def insert_row(cache: KVCache, row: KVCache, b: jax.Array) -> KVCache:
                    lengths=cache.lengths.at[b].set(row.lengths[0]))
 
 
-def extend(cache: KVCache, capacity: int) -> KVCache:
-    """The cache with ``capacity`` >= S slots per row (new slots zero, lengths unchanged)."""
-    if capacity < cache.capacity:
-        raise ValueError(f"cannot shrink a cache of {cache.capacity} slots to {capacity}")
-    pad = ((0, 0), (0, capacity - cache.capacity), (0, 0))
-    return KVCache(k=tuple(jnp.pad(x, pad) for x in cache.k),
-                   v=tuple(jnp.pad(x, pad) for x in cache.v), lengths=cache.lengths)
+def resize(cache: KVCache, capacity: int) -> KVCache:
+    """The cache with ``capacity`` slots per row: new slots are zero, slots past ``capacity``
+    are dropped and lengths are clipped to it (a row that must keep its committed slots needs
+    ``capacity >= lengths``)."""
+    if capacity <= 0:
+        raise ValueError(f"cache capacity must be positive, got {capacity}")
+    if capacity >= cache.capacity:
+        pad = ((0, 0), (0, capacity - cache.capacity), (0, 0))
+        fit = lambda x: jnp.pad(x, pad)  # noqa: E731
+    else:
+        fit = lambda x: x[:, :capacity]  # noqa: E731
+    return KVCache(k=tuple(fit(x) for x in cache.k), v=tuple(fit(x) for x in cache.v),
+                   lengths=jnp.minimum(cache.lengths, capacity))
 
 
 def advance(cache: KVCache, n: jax.Array) -> KVCache:
