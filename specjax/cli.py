@@ -396,6 +396,10 @@ def _add_data(sub):
                    help="decode steps between refills of the rows (default: %(default)s)")
     d.add_argument("--shard-size", type=int, default=256,
                    help="prompts per shard file (default: %(default)s)")
+    d.add_argument("--workers", type=int, default=1,
+                   help="processes generating shards side by side, each with single-threaded "
+                        "XLA; on XLA:CPU one per core beats one process's threads for a small "
+                        "target. Not a setting: the bytes are the same (default: %(default)s)")
     d.add_argument("--no-progress", action="store_true", help="no progress bar")
     d.set_defaults(func=_distill)
     f = data_sub.add_parser(
@@ -467,7 +471,8 @@ def _distill(args) -> int:
         top_p=args.top_p, seed=args.seed, batch_size=args.batch_size, chunk=args.chunk,
         shard_size=args.shard_size, max_prompts=args.max_prompts,
         exclude_task_ids=args.exclude_task_ids, drop_eval_overlap=args.drop_eval_overlap)
-    manifest = distill.distill(cfg, args.out, progress=not args.no_progress)
+    manifest = distill.distill(cfg, args.out, progress=not args.no_progress,
+                               workers=args.workers)
     s = manifest["settings"]
     print(f"{args.out}: {manifest['n_shards']} shards, {s['prompts']} prompts "
           f"({s['skipped_long_prompts']} longer than {s['max_prompt_tokens']} tokens skipped, "

@@ -243,6 +243,23 @@ def test_sigkill_then_restart_gives_identical_shards(reference_run, tiny_model, 
         assert (out / name).read_bytes() == (reference_run / name).read_bytes(), name
 
 
+def test_worker_processes_write_the_same_shards(reference_run, tiny_model, prompts_file,
+                                                tmp_path, capsys):
+    """Two worker processes (single-threaded XLA each, every other shard) write the bytes one
+    process writes, manifest included; a worker count below 1 is refused."""
+    out = tmp_path / "data"
+    cmd = [sys.executable, "-m", "specjax.cli", "data", "distill", "--model", str(tiny_model),
+           "--input", str(prompts_file), "--out", str(out), *DISTILL_ARGS, "--workers", "2"]
+    done = subprocess.run(cmd, capture_output=True, timeout=300)
+    assert done.returncode == 0, done.stderr.decode()
+    names = sorted(p.name for p in reference_run.iterdir())
+    assert sorted(p.name for p in out.iterdir()) == names
+    for name in names:
+        assert (out / name).read_bytes() == (reference_run / name).read_bytes(), name
+    rc, io = _distill(capsys, tiny_model, prompts_file, tmp_path / "other", "--workers", "0")
+    assert rc == 2 and "workers must be >= 1, got 0" in io.err
+
+
 def test_resume_with_other_settings_is_refused(reference_run, tiny_model, prompts_file, capsys):
     before = (reference_run / "manifest.json").read_bytes()
     rc, io = _distill(capsys, tiny_model, prompts_file, reference_run, "--temperature", "0.9")
