@@ -360,6 +360,12 @@ def generate_shards(cfg: DistillConfig, model, plan: Plan, shards: Sequence[int]
         chunk=cfg.chunk, on_finish=on_finish)
 
 
+def _write_shard(out: Path, k: int, arrays: dict) -> dict:
+    """Writes shard ``k``'s arrays into ``out`` (atomically); returns its summary."""
+    data.write_atomic(out / data.shard_name(k), data.npz_bytes(arrays))
+    return data.shard_summary(arrays)
+
+
 def _worker(cfg: DistillConfig, plan: Plan, out_dir: str, shards: list[int], messages,
             parent: int) -> None:
     """One worker process of :func:`distill`: generates ``shards`` into ``out_dir`` and reports
@@ -371,8 +377,7 @@ def _worker(cfg: DistillConfig, plan: Plan, out_dir: str, shards: list[int], mes
     out = Path(out_dir)
 
     def on_shard(k, arrays):
-        data.write_atomic(out / data.shard_name(k), data.npz_bytes(arrays))
-        messages.put(("shard", k, data.shard_summary(arrays)))
+        messages.put(("shard", k, _write_shard(out, k, arrays)))
 
     def on_prompt(n_tokens):
         if os.getppid() != parent:  # the parent was killed: a restart will redo our shards
@@ -485,8 +490,7 @@ def distill(cfg: DistillConfig, out_dir: str | Path, *, progress: bool = True,
         _write_manifest(manifest_path, _manifest(plan, shards))
 
     def on_shard(k, arrays):
-        data.write_atomic(out / data.shard_name(k), data.npz_bytes(arrays))
-        record(k, data.shard_summary(arrays))
+        record(k, _write_shard(out, k, arrays))
 
     missing = [k for k in range(plan.n_shards) if k not in shards]
     if workers > 1 and len(missing) > 1:
