@@ -147,16 +147,33 @@ def test_dflash_draft_block_sees_its_context_and_all_of_itself():
         np_attention(q, [(*ctx, m_ctx), (*block, m_blk)]), atol=1e-5)
 
 
-def test_training_time_test_diagonal_steps():
+@pytest.mark.parametrize("t", [T, 2])  # G * t queries per row: both score layouts
+def test_training_time_test_diagonal_steps(t):
     # Step 2 of EAGLE-3's unrolled training: step-0 keys causal, steps 1 and 2 diagonal.
     gen = np.random.default_rng(4)
-    q = gen.standard_normal((B, T, K * G, H))
-    step0, step1, step2 = random_kv(gen, T), random_kv(gen, T), random_kv(gen, T)
-    causal = loops(B, T, T, lambda b, t, si: si <= t)
-    diag = loops(B, T, T, lambda b, t, si: si == t)
+    q = gen.standard_normal((B, t, K * G, H))
+    step0, step1, step2 = random_kv(gen, t), random_kv(gen, t), random_kv(gen, t)
+    causal = loops(B, t, t, lambda b, ti, si: si <= ti)
+    diag = loops(B, t, t, lambda b, ti, si: si == ti)
     np.testing.assert_allclose(
         run(q, [step0, step1, step2], [A.Causal(), A.Diagonal(), A.Diagonal()]),
         np_attention(q, [(*step0, causal), (*step1, diag), (*step2, diag)]), atol=1e-5)
+
+
+def test_diagonal_blocks_build_no_square():
+    # A diagonal block's keys are scored one per query: no [.., T, T] mask or score array
+    # exists in the computation, only the prefix block's [.., T, S] ones.
+    gen = np.random.default_rng(5)
+    s, t = 4, 7
+    q = jnp.asarray(gen.standard_normal((B, t, K * G, H)), jnp.float32)
+    blocks = [A.KeyBlock(rows(k), rows(v), r) for (k, v), r in
+              [(random_kv(gen, s), A.Prefix(jnp.full((B,), s))),
+               (random_kv(gen, t), A.Diagonal()), (random_kv(gen, t), A.Diagonal())]]
+    jaxpr = jax.make_jaxpr(A.attend)(q, blocks).jaxpr
+    shapes = [tuple(v.aval.shape) for eqn in jaxpr.eqns for v in eqn.outvars]
+    assert any(sh[-2:] == (G * t, s) for sh in shapes)  # the prefix block's scores
+    assert not any(len(sh) >= 2 and sh[-1] == t and sh[-2] in (t, G * t) for sh in shapes), (
+        sorted(set(shapes)))
 
 
 def test_expansion_level_with_an_explicit_mask():
