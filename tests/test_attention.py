@@ -160,15 +160,18 @@ def test_training_time_test_diagonal_steps(t):
         np_attention(q, [(*step0, causal), (*step1, diag), (*step2, diag)]), atol=1e-5)
 
 
-def test_diagonal_blocks_build_no_square():
-    # A diagonal block's keys are scored one per query: no [.., T, T] mask or score array
-    # exists in the computation, only the prefix block's [.., T, S] ones.
+@pytest.mark.parametrize("rules", [(A.Diagonal(), A.Diagonal()), (A.Blocks(4),),
+                                   (A.Blocks(2, causal=True),)])
+def test_local_blocks_build_no_square(rules):
+    # Diagonal and Blocks blocks over the queries' own keys are scored span by span: no
+    # [.., T, T] mask or score array exists in the computation, only the prefix block's
+    # [.., T, S] ones.
     gen = np.random.default_rng(5)
-    s, t = 4, 7
+    s, t = 5, 12  # sizes unlike H and every span, so a square's shape is unambiguous
     q = jnp.asarray(gen.standard_normal((B, t, K * G, H)), jnp.float32)
     blocks = [A.KeyBlock(rows(k), rows(v), r) for (k, v), r in
-              [(random_kv(gen, s), A.Prefix(jnp.full((B,), s))),
-               (random_kv(gen, t), A.Diagonal()), (random_kv(gen, t), A.Diagonal())]]
+              [(random_kv(gen, s), A.Prefix(jnp.full((B,), s)))]
+              + [(random_kv(gen, t), r) for r in rules]]
     jaxpr = jax.make_jaxpr(A.attend)(q, blocks).jaxpr
     shapes = [tuple(v.aval.shape) for eqn in jaxpr.eqns for v in eqn.outvars]
     assert any(sh[-2:] == (G * t, s) for sh in shapes)  # the prefix block's scores
@@ -214,21 +217,25 @@ def test_packed_segments_causal():
 
 
 @pytest.mark.parametrize("causal", [False, True])
-def test_dflash_training_anchor_blocks(causal):
-    # Two blocks of 3 per row over a context of 9 keys: a block sees the context strictly
+@pytest.mark.parametrize("t, blk, anchors", [
+    (T, 3, [[2, 6], [0, 8], [4, 5]]),
+    (2, 2, [[2], [0], [5]]),  # G * t queries per row: the keys-first score layout
+])
+def test_dflash_training_anchor_blocks(causal, t, blk, anchors):
+    # Blocks of blk per row over a context of 9 keys: a block sees the context strictly
     # before its anchor (within its own packed sequence) plus its own block.
     gen = np.random.default_rng(7)
-    s, blk = 9, 3
-    q = gen.standard_normal((B, T, K * G, H))
-    ctx, block = random_kv(gen, s), random_kv(gen, T)
-    anchors = np.array([[2, 6], [0, 8], [4, 5]], np.int32)
+    s = 9
+    q = gen.standard_normal((B, t, K * G, H))
+    ctx, block = random_kv(gen, s), random_kv(gen, t)
+    anchors = np.array(anchors, np.int32)
     ctx_seg = np.array([[1] * 5 + [2] * 4, [1] * 9, [1] * 9], np.int32)
     q_seg = np.take_along_axis(ctx_seg, np.repeat(anchors, blk, axis=1), axis=1)
     ctx_rule = A.Intersect((A.AnchorPrefix(jnp.asarray(anchors), blk),
                             A.Segments(jnp.asarray(q_seg), jnp.asarray(ctx_seg))))
-    m_ctx = loops(B, T, s, lambda b, t, si: si < anchors[b, t // blk]
-                  and ctx_seg[b, si] == q_seg[b, t])
-    m_blk = loops(B, T, T, lambda b, t, si: t // blk == si // blk and (not causal or si <= t))
+    m_ctx = loops(B, t, s, lambda b, ti, si: si < anchors[b, ti // blk]
+                  and ctx_seg[b, si] == q_seg[b, ti])
+    m_blk = loops(B, t, t, lambda b, ti, si: ti // blk == si // blk and (not causal or si <= ti))
     # Row 1's first block has anchor 0: it sees no context at all, only its own block.
     assert not m_ctx[1, :blk].any()
     np.testing.assert_allclose(

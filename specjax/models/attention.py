@@ -36,14 +36,16 @@ slots, written into the cache at slots 2..4, uses one block with
 **Implementations.** :func:`attend` dispatches on an implementation name (the
 ``attention_impl`` field of a model config). ``"reference"`` builds each block's dense mask
 from its rule (:meth:`Rule.dense`, the definition of the rule) and calls
-``specjax.kernels.attention.reference_attention``; a :class:`Diagonal` block of T keys is the
-exception, its one visible key per query scored directly, so each unrolled step of EAGLE-3's
-training-time test adds T scores rather than a T x T square. A fused kernel registers another
-name in :data:`IMPLEMENTATIONS` and reads the rules' structure instead. ``"pallas"`` (NVIDIA
-GPUs) and ``"pallas-interpret"`` (the same kernel through Pallas's interpreter, any backend)
-send verify passes, a committed prefix plus a tree, to ``specjax.kernels.tree_attention`` and
-every other call to the reference. Rules are pytrees whose array fields are traced and whose
-sizes (``size``, ``block``, ``causal``) are static.
+``specjax.kernels.attention.reference_attention``. A :class:`Diagonal` or :class:`Blocks`
+block of the queries' own T keys is the exception: only each query's own span of keys is
+scored (T x span scores instead of a T x T mask), so an unrolled step of EAGLE-3's
+training-time test adds T scores and DFlash's training blocks cost their blocks, not a square
+over all of them. A fused kernel registers another name in :data:`IMPLEMENTATIONS` and reads
+the rules' structure instead. ``"pallas"`` (NVIDIA GPUs) and ``"pallas-interpret"`` (the same
+kernel through Pallas's interpreter, any backend) send verify passes, a committed prefix plus
+a tree, to ``specjax.kernels.tree_attention`` and every other call to the reference. Rules are
+pytrees whose array fields are traced and whose sizes (``size``, ``block``, ``causal``) are
+static.
 
 Axis legend as in :mod:`specjax.models.layers`; S is a block's key count, A anchors per row.
 """
@@ -318,18 +320,18 @@ def _reference(q: jax.Array, blocks: Sequence[KeyBlock]) -> jax.Array:
     g = n // kh
     # Queries grouped under their kv head: [B, T, N, H] -> [B * K, G * T, H].
     rows = q.reshape(b, t, kh, g, h).transpose(0, 2, 3, 1, 4).reshape(b * kh, g * t, h)
-    dense, paired = [], []
+    dense, local = [], []
     for blk in blocks:
         s = blk.k.shape[1]
-        if isinstance(blk.rule, Diagonal) and s == t:
-            # Each query sees one key, its own index's: the G query heads of a kv row read the
-            # same [B * K, T, H] keys, tiled to the rows' [B * K, G * T, H] query layout.
-            paired.append((jnp.tile(blk.k, (1, g, 1)), jnp.tile(blk.v, (1, g, 1))))
-            continue
-        m = dense_mask(blk.rule, b, t, s)
-        m = jnp.broadcast_to(m[:, None, None], (b, kh, g, t, s)).reshape(b * kh, g * t, s)
-        dense.append((blk.k, blk.v, m))
-    out = reference_attention(rows, dense, paired)
+        if s == t and isinstance(blk.rule, Diagonal):
+            local.append((blk.k, blk.v, 1, False))
+        elif s == t and isinstance(blk.rule, Blocks) and t % blk.rule.block == 0:
+            local.append((blk.k, blk.v, blk.rule.block, blk.rule.causal))
+        else:
+            m = dense_mask(blk.rule, b, t, s)
+            m = jnp.broadcast_to(m[:, None, None], (b, kh, g, t, s)).reshape(b * kh, g * t, s)
+            dense.append((blk.k, blk.v, m))
+    out = reference_attention(rows, dense, local)
     return out.reshape(b, kh, g, t, h).transpose(0, 3, 1, 2, 4).reshape(b, t, n, h)
 
 
