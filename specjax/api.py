@@ -115,7 +115,7 @@ def _compiled(fn, args: tuple, traced: dict, statics: dict):
     """An ahead-of-time compiled ``fn`` for these argument structures (positional ``args``,
     keyword ``traced``) and statics, cached."""
     key = (fn, jax.tree.structure((args, traced)),
-           tuple(a.shape for a in jax.tree.leaves((args, traced))),
+           tuple(jnp.shape(a) for a in jax.tree.leaves((args, traced))),
            tuple(sorted(statics.items(), key=lambda kv: kv[0])))
     if key in _COMPILED:
         return _COMPILED[key], 0.0
@@ -207,7 +207,7 @@ def generate_tokens(
     else:
         fn, args = decode.speculative_generate, (params, drafter_params, prompt, prompt_len, sp, rng)
         statics["drafter"] = drafter
-        statics["budget"] = budget
+        traced["budget"] = budget
     exe, compile_s = _compiled(fn, args, traced, statics)
     t0 = time.perf_counter()
     out = jax.block_until_ready(exe(*args, **traced))

@@ -323,8 +323,7 @@ def _first_stop(emitted: jax.Array, count: jax.Array, stop_tokens: tuple[int, ..
 
 
 @functools.partial(jax.jit, static_argnames=("target", "drafter", "max_new_tokens", "capacity",
-                                             "stop_tokens", "pad_id", "return_dstate",
-                                             "budget"))
+                                             "stop_tokens", "pad_id", "return_dstate"))
 def speculative_generate(
     params: dict,
     drafter_params,
@@ -369,9 +368,9 @@ def speculative_generate(
       pad_id: filler past each row's end.
       return_dstate: also return the drafter's final state (static; it may be large, such as
         a drafter's own cache, so it is dropped by default).
-      budget: a static :class:`specjax.harness.Budget` for cost-aware speculation: each cycle
-        verifies only the first ``buckets[k]`` nodes of the proposal (bucket 0: the roots, a
-        plain step), k chosen from the proposal's ``confidence`` by
+      budget: a :class:`specjax.harness.Budget` for cost-aware speculation (its buckets and
+        gate are compiled in, its costs traced): each cycle verifies only the first
+        ``buckets[k]`` nodes of the proposal (bucket 0: the roots, a plain step), k chosen from the proposal's ``confidence`` by
         :func:`specjax.harness.choose_bucket` (one compiled pass per distinct width, under a
         ``lax.switch``); None verifies every node. Needs a target with ``forward_fresh`` and
         a drafter that reports confidences. A gated budget (``Budget.gated``) also decides

@@ -40,7 +40,8 @@ one that nearly breaks even is probed often. A drafter whose draft time is negli
 
 Costs are measured (``specjax calibrate``) into a :class:`CostTable` JSON, reused while the
 machine, model, dtype and batch stay the same; its :meth:`CostTable.budget` is what
-``decode.speculative_generate(budget=...)`` compiles in.
+``decode.speculative_generate(budget=...)`` takes. The loop compiles once per bucket set and
+gate; the costs are traced, so another cost table reuses the compiled loop.
 """
 
 from __future__ import annotations
@@ -114,21 +115,29 @@ class CostTable:
 
 @dataclasses.dataclass(frozen=True)
 class Budget:
-    """Cost-aware budgets as the decoding loop takes them (static, hashable): each cycle it
-    verifies the first ``buckets[k]`` nodes of the proposal (bucket 0: the root alone, a plain
-    step) for the k that :func:`choose_bucket` picks from the proposal's confidences.
+    """Cost-aware budgets as the decoding loop takes them: each cycle it verifies the first
+    ``buckets[k]`` nodes of the proposal (bucket 0: the root alone, a plain step) for the k
+    that :func:`choose_bucket` picks from the proposal's confidences.
+
+    A pytree: the buckets and ``gated`` are its structure (what the loop compiles in), the
+    costs its leaves (traced), so budgets that differ only in their costs share one compiled
+    loop.
 
     Attributes:
       buckets: budgets N, ascending (0 = a plain step).
       cycle_s: seconds of a cycle of each bucket (verify plus draft).
       step_s: seconds of a plain step without drafting; None: no gate (every cycle drafts).
       draft_s: seconds of drafting, what a gated plain step saves.
+      gated: whether the loop decides before each cycle whether to draft (module docstring):
+        there is a plain step to compare with and drafting costs more than ``GATE_MIN_DRAFT``
+        of it. Set from the costs when the budget is made.
     """
 
     buckets: tuple[int, ...]
     cycle_s: tuple[float, ...]
     step_s: float | None = None
     draft_s: float = 0.0
+    gated: bool = dataclasses.field(init=False)
 
     def __post_init__(self):
         if len(self.buckets) != len(self.cycle_s) or not self.buckets:
@@ -138,17 +147,30 @@ class Budget:
             raise ValueError(f"buckets {list(self.buckets)} must be distinct, ascending, >= 0")
         if min(self.cycle_s) <= 0 or (self.step_s is not None and self.step_s <= 0):
             raise ValueError("cycle costs must be positive")
-
-    @property
-    def gated(self) -> bool:
-        """Whether the loop decides before each cycle whether to draft (module docstring)."""
-        return self.step_s is not None and self.draft_s > GATE_MIN_DRAFT * self.step_s
+        object.__setattr__(self, "gated", bool(
+            self.step_s is not None and self.draft_s > GATE_MIN_DRAFT * self.step_s))
 
     def advantage(self, k: jax.Array, accepted: jax.Array) -> jax.Array:
         """Plain steps a drafted cycle of bucket ``k`` gained: ``1 + accepted -
         cycle_s[k] / step_s`` (``accepted``: the batch's mean accepted drafts)."""
         return 1.0 + accepted - jnp.asarray(self.cycle_s, jnp.float32)[k] / self.step_s
 
+
+def _budget_leaves(b: Budget):
+    return (b.cycle_s, b.step_s, b.draft_s), (b.buckets, b.gated)
+
+
+def _budget_from_leaves(structure, leaves) -> Budget:
+    # Not through __init__: inside a trace the leaves are tracers, which the checks (already
+    # passed when the budget was made) and ``gated`` (part of the structure) cannot read.
+    b = object.__new__(Budget)
+    for name, value in zip(("buckets", "gated", "cycle_s", "step_s", "draft_s"),
+                           (*structure, *leaves)):
+        object.__setattr__(b, name, value)
+    return b
+
+
+jax.tree_util.register_pytree_node(Budget, _budget_leaves, _budget_from_leaves)
 
 GATE_ALPHA = 0.3  # weight of the newest drafted cycle in the running advantage
 GATE_PROBE_SHARE = 0.02  # a failed probe's loss at most this share of the plain run after it
