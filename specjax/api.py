@@ -8,6 +8,7 @@ generation call, and strips padding from the result.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import time
 from collections.abc import Sequence
@@ -97,7 +98,11 @@ class GenerateResult:
         return sum(len(t) for t in self.tokens)
 
 
-_COMPILED: dict = {}
+# The executables of recent requests, least recently used first. Each holds its machine code
+# (on XLA:CPU hundreds of memory mappings, against a kernel limit of ~65k per process), so a
+# long-running process that compiles many configurations, a benchmark sweep, keeps only these.
+_COMPILED: collections.OrderedDict = collections.OrderedDict()
+COMPILED_MAX = 16
 
 
 def request_limits(max_new_tokens: int | Sequence[int], n: int) -> np.ndarray:
@@ -113,15 +118,24 @@ def request_limits(max_new_tokens: int | Sequence[int], n: int) -> np.ndarray:
 
 def _compiled(fn, args: tuple, traced: dict, statics: dict):
     """An ahead-of-time compiled ``fn`` for these argument structures (positional ``args``,
-    keyword ``traced``) and statics, cached."""
+    keyword ``traced``) and statics, and its compile seconds (0 when cached).
+
+    The last ``COMPILED_MAX`` executables are kept. Evicting one also clears JAX's own caches
+    (``jax.clear_caches``), whose lowerings hold every executable compiled from them: without
+    that, an evicted executable's code stays mapped for the life of the process."""
     key = (fn, jax.tree.structure((args, traced)),
            tuple(jnp.shape(a) for a in jax.tree.leaves((args, traced))),
            tuple(sorted(statics.items(), key=lambda kv: kv[0])))
     if key in _COMPILED:
+        _COMPILED.move_to_end(key)
         return _COMPILED[key], 0.0
     t0 = time.perf_counter()
     exe = fn.lower(*args, **traced, **statics).compile()
     _COMPILED[key] = exe
+    if len(_COMPILED) > COMPILED_MAX:
+        while len(_COMPILED) > COMPILED_MAX:
+            _COMPILED.popitem(last=False)
+        jax.clear_caches()
     return exe, time.perf_counter() - t0
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -112,6 +114,30 @@ def test_one_compile_per_shape_across_prompts():
                                  temperature=0.7)
     assert first.compile_s > 0 and second.compile_s == 0
     assert len(api._COMPILED) == 1
+
+
+def _mappings() -> int:
+    with open("/proc/self/maps") as f:
+        return sum(1 for _ in f)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs Linux's /proc")
+def test_evicted_executables_release_their_code(monkeypatch):
+    """Only the last ``COMPILED_MAX`` executables are kept, and an evicted one's machine code
+    is unmapped: a process that compiles configuration after configuration (a benchmark
+    sweep) stays flat in memory mappings instead of reaching the kernel's limit."""
+    monkeypatch.setattr(api, "COMPILED_MAX", 2)
+    api._COMPILED.clear()
+    counts = []
+    for n in range(3, 9):  # six configurations: max_new_tokens is static
+        api.generate_tokens(TINY, PARAMS, [[1, 2, 3]], max_new_tokens=n)
+        counts.append(_mappings())
+        assert len(api._COMPILED) == min(n - 2, 2)
+    per_executable = counts[1] - counts[0]
+    assert per_executable > 50  # each executable maps its code; what eviction must release
+    assert counts[-1] - counts[1] < per_executable
+    again = api.generate_tokens(TINY, PARAMS, [[4, 5]], max_new_tokens=8)
+    assert again.compile_s == 0  # the most recent one is still cached
 
 
 @pytest.mark.parametrize("speculative", [False, True], ids=["plain", "ngram"])
