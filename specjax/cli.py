@@ -8,6 +8,7 @@ Each subcommand is a thin wrapper over library functions; it parses, calls and p
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
@@ -797,18 +798,21 @@ def _bench(args) -> int:
     contexts = [c or None for c in _ints(args.contexts)] if args.contexts else [None]
     n_methods = len(methods) + (not any(m.drafter is None for m in methods))
     cells = n_methods * len(sets) * len(temps) * len(batches) * len(contexts)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
     with tqdm(total=cells, unit="cell", desc="bench", disable=args.no_progress,
-              file=sys.stderr) as bar:
+              file=sys.stderr) as bar, open(out / "records.jsonl", "w") as sink:
         def progress(cell):
             bar.set_postfix_str(cell)
             bar.update()
 
+        def on_record(record):  # each cell as it ends: a sweep that stops keeps its records
+            sink.write(json.dumps(record) + "\n")
+            sink.flush()
+
         records = sweep.run(model, sets, methods, temperatures=temps, batches=batches,
                             contexts=contexts, max_new_tokens=args.max_new_tokens, repeats=args.repeats,
-                            model_name=args.model, progress=progress)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    report.write_jsonl(records, out / "records.jsonl")
+                            model_name=args.model, progress=progress, on_record=on_record)
     table = report.markdown(records)
     (out / "table.md").write_text(table + "\n\n" + report.summary(records) + "\n")
     report.plot(records, out / "bench.png")

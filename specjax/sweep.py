@@ -149,7 +149,9 @@ def _requests(ids: Sequence[list[int]], batch: int) -> list[list[list[int]]]:
 def run(model, prompt_sets: Mapping[str, Sequence[str]], method_list: Sequence[Method], *,
         temperatures: Sequence[float] = (0.0,), batches: Sequence[int] = (1,),
         contexts: Sequence[int | None] = (None,), max_new_tokens: int = 128, repeats: int = 2,
-        seed: int = 0, model_name: str = "", latency: bool = True, progress: Callable[[str], None] | None = None) -> list[dict]:
+        seed: int = 0, model_name: str = "", latency: bool = True,
+        progress: Callable[[str], None] | None = None,
+        on_record: Callable[[dict], None] | None = None) -> list[dict]:
     """Runs the sweep (module docstring) and returns its records, one per cell.
 
     Args:
@@ -167,6 +169,8 @@ def run(model, prompt_sets: Mapping[str, Sequence[str]], method_list: Sequence[M
         (one-token runs of the same executable, and a draft-cost measurement that compiles
         the drafter's ``propose`` alone); False leaves them None.
       progress: optional callable, given a short description after each cell.
+      on_record: optional callable, given each record as its cell ends (to keep the records
+        of a sweep that stops early).
     """
     cfg, params, tok = model.cfg, model.params, model.tokenizer
     if tok is None:
@@ -251,7 +255,7 @@ def run(model, prompt_sets: Mapping[str, Sequence[str]], method_list: Sequence[M
                         split = dict(draft=d, verify=v,
                                      other=max(1e3 * decode_s / cycles - d - v, 0.0))
                     greedy = t == 0
-                    records.append(dict(
+                    record = dict(
                         method=m.name, cost_aware=m.cost_aware, set=set_name, temperature=t,
                         batch=b, context=ctx_len, requests=len(reqs),
                         prompt_tokens=float(np.mean([len(p) for r in reqs for p in r])),
@@ -266,7 +270,10 @@ def run(model, prompt_sets: Mapping[str, Sequence[str]], method_list: Sequence[M
                         verified=None if not cycles else verified / cycles,
                         fallbacks=fallbacks, split_ms=split,
                         peak_mb=None if warm.peak_bytes is None else warm.peak_bytes / 2 ** 20,
-                        same_as_plain=(outs == plain_tokens) if greedy else None))
+                        same_as_plain=(outs == plain_tokens) if greedy else None)
+                    records.append(record)
+                    if on_record is not None:
+                        on_record(record)
                     report(f"{m.name} | {set_name} | T={t:g} | batch {b}"
                            + ("" if ctx_len is None else f" | context {ctx_len}"))
     return records

@@ -273,3 +273,31 @@ def test_bench_reads_mt_bench_prompt_files(cli_model, tmp_path, capsys):
     rc, _, err = _run(capsys, "bench", "--model", str(path), "--prompts", str(prompts),
                       "--out", str(out))
     assert rc == 2 and "needs a non-empty 'turns' list or 'prompt' string" in err
+
+
+def test_bench_keeps_the_cells_measured_before_a_failure(cli_model, tmp_path, capsys,
+                                                          monkeypatch):
+    """A sweep that stops part way (here the second cell's generation fails) leaves the
+    records of the cells it finished in records.jsonl."""
+    from specjax import api, report
+
+    path, _ = cli_model
+    prompts = tmp_path / "q.jsonl"
+    prompts.write_text('{"category": "writing", "turns": ["w7 w8"]}\n'
+                       '{"category": "coding", "turns": ["w9 w9 w7"]}\n')
+    real, calls = api.generate_tokens, []
+
+    def fails_in_the_second_cell(*args, **kwargs):
+        calls.append(str(args[2]))  # the prompts' token ids
+        if len(set(calls)) > 1:  # the second set's prompt
+            raise RuntimeError("out of memory")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(api, "generate_tokens", fails_in_the_second_cell)
+    out = tmp_path / "bench"
+    with pytest.raises(RuntimeError, match="out of memory"):
+        cli.main(["bench", "--model", str(path), "--prompts", str(prompts), "--methods",
+                  "plain", "--max-new-tokens", "4", "--repeats", "1", "--out", str(out),
+                  "--no-progress"])
+    records = report.read_jsonl(out / "records.jsonl")
+    assert [(r["set"], r["method"]) for r in records] == [("writing", "plain")]
