@@ -5,9 +5,14 @@ A cell runs every request of one prompt set (its prompts cycled to fill batches 
 size) through one method, twice per request and the faster kept (``repeats``): the whole
 generation, and a one-token generation whose time is the time to first token (prefill plus the
 first sample, and the drafter's ``init``). The rest of a request's time, divided by its rows'
-tokens past the first, is its time per output token; percentiles run over the requests. Plain
-decoding runs first in every (set, temperature, batch, context) group, so a cell's ``speedup`` is its
-tokens per second over plain decoding's measured beside it.
+tokens past the first, is its time per output token; percentiles run over the requests.
+
+**Speedup, paired.** Plain decoding runs first in every (set, temperature, batch, context)
+group: its record, and the tokens greedy cells are compared with. Every other cell times plain
+decoding again on each of its requests, run by run alternating with its own runs (the faster
+of each kept), and its ``speedup`` is its tokens per second over that paired plain rate
+(``plain_tok_s``). On a shared machine whose speed drifts over a sweep, each ratio then comes
+from runs seconds apart rather than minutes.
 
 Executables are shared: prompts are padded to a coarse width (``WIDTH_BUCKET``) and the
 one-token runs reuse the whole generation's executable (token limits are traced), so each
@@ -22,7 +27,7 @@ XLA's figure for the compiled generation call.
 Record fields (the latency ones None with ``run(latency=False)``): ``method``,
 ``cost_aware``, ``set``, ``temperature``, ``batch``, ``context`` (None: the prompts as they
 are), ``requests``, ``prompt_tokens`` (mean), ``new_tokens`` (total), ``ttft_ms`` (p50),
-``tpot_ms`` ({p50, p95, p99}), ``tok_s``, ``speedup``, ``tau``, ``acceptance`` (P(accepted >=
+``tpot_ms`` ({p50, p95, p99}), ``tok_s``, ``plain_tok_s``, ``speedup``, ``tau``, ``acceptance`` (P(accepted >=
 k) for k = 1..D), ``drafted`` (fraction of cycles that drafted), ``verified`` (nodes per
 cycle), ``fallbacks``, ``split_ms`` ({draft, verify, other} per cycle), ``peak_mb``,
 ``same_as_plain`` (greedy cells: whether every row's tokens equal plain decoding's; None when
@@ -209,7 +214,7 @@ def run(model, prompt_sets: Mapping[str, Sequence[str]], method_list: Sequence[M
             width = api.round_up(max(len(p) for p in ids), WIDTH_BUCKET)
             cache = api.round_up(width + max_new_tokens + widest + 1, api.CACHE_MULTIPLE)
             for t in temperatures:
-                plain_rate, plain_tokens = None, None
+                plain_kw, plain_tokens = None, None
                 for m in method_list:
                     kw = dict(cache_size=cache, drafter=m.drafter, drafter_params=m.dparams,
                               temperature=t, prompt_width=width, seed=seed,
@@ -219,10 +224,20 @@ def run(model, prompt_sets: Mapping[str, Sequence[str]], method_list: Sequence[M
                                                max_new_tokens=max_new_tokens, **kw)
                     ttft, tpot, total_s, new_tokens, outs = [], [], 0.0, 0, []
                     hist, cycles, drafted, verified, fallbacks = None, 0, 0, 0, 0
+                    paired_s, paired_tokens = 0.0, 0
                     for req in reqs:
-                        full = min((api.generate_tokens(cfg, params, req,
-                                                        max_new_tokens=max_new_tokens, **kw)
-                                    for _ in range(repeats)), key=lambda r: r.run_s)
+                        runs, bases = [], []
+                        for _ in range(repeats):
+                            if m.drafter is not None:
+                                bases.append(api.generate_tokens(
+                                    cfg, params, req, max_new_tokens=max_new_tokens, **plain_kw))
+                            runs.append(api.generate_tokens(
+                                cfg, params, req, max_new_tokens=max_new_tokens, **kw))
+                        full = min(runs, key=lambda r: r.run_s)
+                        if bases:
+                            base = min(bases, key=lambda r: r.run_s)
+                            paired_s += base.run_s
+                            paired_tokens += base.n_tokens
                         if latency:
                             first = min(api.generate_tokens(cfg, params, req, max_new_tokens=1,
                                                             **kw).run_s for _ in range(repeats))
@@ -242,7 +257,8 @@ def run(model, prompt_sets: Mapping[str, Sequence[str]], method_list: Sequence[M
                             fallbacks += int(st.fallbacks.sum())
                     rate = new_tokens / total_s
                     if m.drafter is None:
-                        plain_rate, plain_tokens = rate, outs
+                        plain_kw, plain_tokens = kw, outs
+                    plain_rate = rate if m.drafter is None else paired_tokens / paired_s
                     split = None
                     if latency and m.drafter is not None and cycles:
                         if m.name not in draft_ms:  # measured at the first set's width
@@ -263,7 +279,7 @@ def run(model, prompt_sets: Mapping[str, Sequence[str]], method_list: Sequence[M
                         ttft_ms=1e3 * float(np.median(ttft)) if latency else None,
                         tpot_ms={f"p{q:g}": 1e3 * v for q, v in
                                  metrics.percentiles(tpot).items()} if latency else None,
-                        tok_s=rate, speedup=rate / plain_rate,
+                        tok_s=rate, plain_tok_s=plain_rate, speedup=rate / plain_rate,
                         tau=1.0 if hist is None else metrics.tau(hist),
                         acceptance=[] if hist is None else metrics.acceptance_by_position(hist),
                         drafted=None if not cycles else drafted / cycles,

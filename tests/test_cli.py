@@ -275,6 +275,40 @@ def test_bench_reads_mt_bench_prompt_files(cli_model, tmp_path, capsys):
     assert rc == 2 and "needs a non-empty 'turns' list or 'prompt' string" in err
 
 
+def test_bench_pairs_each_cell_with_plain_runs(cli_model, tmp_path, capsys, monkeypatch):
+    """A speculative cell times plain decoding on each of its requests, alternating run by
+    run with its own timed runs, and its speedup is over that paired plain rate."""
+    from specjax import api, report
+
+    path, _ = cli_model
+    prompts = tmp_path / "q.jsonl"
+    prompts.write_text('{"category": "writing", "turns": ["w7 w8 w7 w8"]}\n')
+    real, calls = api.generate_tokens, []
+
+    def logged(*args, **kwargs):
+        result = real(*args, **kwargs)
+        calls.append(("plain" if kwargs.get("drafter") is None else "ngram",
+                      kwargs["max_new_tokens"], result))
+        return result
+
+    monkeypatch.setattr(api, "generate_tokens", logged)
+    out = tmp_path / "bench"
+    rc, _, err = _run(capsys, "bench", "--model", str(path), "--prompts", str(prompts),
+                      "--methods", "plain,ngram", "--harness", "fixed", "--max-new-tokens", "6",
+                      "--repeats", "2", "--out", str(out), "--no-progress")
+    assert rc == 0, err
+    plain, ngram = report.read_jsonl(out / "records.jsonl")
+    assert plain["speedup"] == 1.0 and plain["plain_tok_s"] == plain["tok_s"]
+    # The n-gram cell: a warm-up run, then plain and n-gram alternating (2 repeats), then its
+    # one-token runs for the time to first token.
+    cell = [(m, n) for m, n, _ in calls[-7:]]
+    assert cell == [("ngram", 6), ("plain", 6), ("ngram", 6), ("plain", 6), ("ngram", 6),
+                    ("ngram", 1), ("ngram", 1)]
+    paired = min((r for m, n, r in calls[-6:-2] if m == "plain"), key=lambda r: r.run_s)
+    assert ngram["plain_tok_s"] == pytest.approx(paired.n_tokens / paired.run_s)
+    assert ngram["speedup"] == pytest.approx(ngram["tok_s"] / ngram["plain_tok_s"])
+
+
 def test_bench_keeps_the_cells_measured_before_a_failure(cli_model, tmp_path, capsys,
                                                           monkeypatch):
     """A sweep that stops part way (here the second cell's generation fails) leaves the
