@@ -120,9 +120,12 @@ def _compiled(fn, args: tuple, traced: dict, statics: dict):
     """An ahead-of-time compiled ``fn`` for these argument structures (positional ``args``,
     keyword ``traced``) and statics, and its compile seconds (0 when cached).
 
-    The last ``COMPILED_MAX`` executables are kept. Evicting one also clears JAX's own caches
-    (``jax.clear_caches``), whose lowerings hold every executable compiled from them: without
-    that, an evicted executable's code stays mapped for the life of the process."""
+    At most ``COMPILED_MAX`` recent executables are kept: past that the least recently used
+    ones go, down to half of it, and JAX's own caches are cleared (``jax.clear_caches``), whose
+    lowerings hold every executable compiled from them; without that an evicted executable's
+    code stays mapped for the life of the process. Evicting half at once keeps the clearing
+    (every other jitted function then compiles again) to one per ``COMPILED_MAX // 2``
+    new executables."""
     key = (fn, jax.tree.structure((args, traced)),
            tuple(jnp.shape(a) for a in jax.tree.leaves((args, traced))),
            tuple(sorted(statics.items(), key=lambda kv: kv[0])))
@@ -133,7 +136,7 @@ def _compiled(fn, args: tuple, traced: dict, statics: dict):
     exe = fn.lower(*args, **traced, **statics).compile()
     _COMPILED[key] = exe
     if len(_COMPILED) > COMPILED_MAX:
-        while len(_COMPILED) > COMPILED_MAX:
+        while len(_COMPILED) > max(COMPILED_MAX // 2, 1):
             _COMPILED.popitem(last=False)
         jax.clear_caches()
     return exe, time.perf_counter() - t0
