@@ -8,7 +8,6 @@ Each subcommand is a thin wrapper over library functions; it parses, calls and p
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -806,13 +805,10 @@ def _bench(args) -> int:
             bar.set_postfix_str(cell)
             bar.update()
 
-        def on_record(record):  # each cell as it ends: a sweep that stops keeps its records
-            sink.write(json.dumps(record) + "\n")
-            sink.flush()
-
         records = sweep.run(model, sets, methods, temperatures=temps, batches=batches,
                             contexts=contexts, max_new_tokens=args.max_new_tokens, repeats=args.repeats,
-                            model_name=args.model, progress=progress, on_record=on_record)
+                            model_name=args.model, progress=progress,
+                            on_record=lambda r: report.append_jsonl(r, sink))
     table = report.markdown(records)
     (out / "table.md").write_text(table + "\n\n" + report.summary(records) + "\n")
     report.plot(records, out / "bench.png")

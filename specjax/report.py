@@ -5,11 +5,21 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TextIO
+
+
+def append_jsonl(record: dict, f: TextIO) -> None:
+    """Writes ``record`` as one JSON line to the open text file ``f`` and flushes it (a sweep
+    that stops part way keeps every record written so far)."""
+    f.write(json.dumps(record) + "\n")
+    f.flush()
 
 
 def write_jsonl(records: Sequence[dict], path: str | Path) -> None:
     """One JSON object per line."""
-    Path(path).write_text("".join(json.dumps(r) + "\n" for r in records))
+    with open(path, "w") as f:
+        for r in records:
+            append_jsonl(r, f)
 
 
 def read_jsonl(path: str | Path) -> list[dict]:
