@@ -27,11 +27,11 @@ XLA's figure for the compiled generation call.
 Record fields (the latency ones None with ``run(latency=False)``): ``method``,
 ``cost_aware``, ``set``, ``temperature``, ``batch``, ``context`` (None: the prompts as they
 are), ``requests``, ``prompt_tokens`` (mean), ``new_tokens`` (total), ``ttft_ms`` (p50),
-``tpot_ms`` ({p50, p95, p99}), ``tok_s``, ``plain_tok_s``, ``speedup``, ``tau``, ``acceptance`` (P(accepted >=
-k) for k = 1..D), ``drafted`` (fraction of cycles that drafted), ``verified`` (nodes per
-cycle), ``fallbacks``, ``split_ms`` ({draft, verify, other} per cycle), ``peak_mb``,
-``same_as_plain`` (greedy cells: whether every row's tokens equal plain decoding's; None when
-sampled).
+``tpot_ms`` ({p50, p95, p99}), ``tok_s``, ``plain_tok_s``, ``speedup``, ``tau``,
+``acceptance`` (P(accepted >= k) for k = 1..D), ``drafted`` (fraction of cycles that drafted),
+``verified`` (nodes per cycle), ``fallbacks``, ``split_ms`` ({draft, verify, other} per
+cycle), ``peak_mb``, ``same_as_plain`` (greedy cells: whether every row's tokens equal plain
+decoding's; None when sampled).
 """
 
 from __future__ import annotations
