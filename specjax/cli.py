@@ -559,10 +559,13 @@ def _add_train(sub):
                 "by greedy speculative decoding with an EAGLE-2 dynamic tree: tau, tokens/s "
                 "and whether the output equals plain greedy.")
         if version == 3:
-            e.add_argument("--draft-vocab", type=int, default=8192,
-                           help="draft vocabulary size (default: %(default)s)")
+            e.add_argument("--draft-vocab", type=int, default=None,
+                           help="draft vocabulary size (default: 8192, or --init's)")
             e.add_argument("--ttt-steps", type=int, default=7,
                            help="unrolled training-time-test steps (default: %(default)s)")
+        e.add_argument("--init", metavar="DRAFTER_DIR", default=None,
+                       help="start from this official-layout drafter's weights (a shipped "
+                            "one, say) instead of fresh ones; the optimizer starts afresh")
         e.add_argument("--tree-nodes", type=int, default=16,
                        help="dynamic tree size in an evaluation, root included (default: "
                             "%(default)s)")
@@ -619,12 +622,20 @@ def _train_eagle(args) -> int:
     from specjax.train import eagle
 
     cfg, model, dev, train_records, source = _train_inputs(args)
-    extra = (dict(draft_vocab_size=min(args.draft_vocab, model.cfg.vocab_size),
-                  ttt_steps=args.ttt_steps) if args.version == 3 else {})
+    init = None
+    if args.init is not None:
+        from specjax.io import official
+
+        init = official.load_eagle(args.init, model.cfg)
+    extra = {}
+    if args.version == 3:
+        vocab = args.draft_vocab if args.draft_vocab is not None else None if init else 8192
+        extra = dict(draft_vocab_size=None if vocab is None else min(vocab, model.cfg.vocab_size),
+                     ttt_steps=args.ttt_steps)
     result, drafter, own = eagle.train(
         model.cfg, model.params, train_records, source, cfg, version=args.version,
         policy=DynamicTree(args.tree_nodes, args.tree_depth, args.tree_top_k), dev_prompts=dev,
-        eval_tokens=args.eval_tokens, seed=args.seed,
+        eval_tokens=args.eval_tokens, seed=args.seed, init=init,
         stop_tokens=model.tokenizer.eos_ids if model.tokenizer else (),
         progress=not args.no_progress, **extra)
     if not result.signal:

@@ -95,3 +95,34 @@ def test_cli_trains_eagle3_with_evaluations(records_dir, tmp_path, monkeypatch):
     cfg, own = official.load_eagle(run / "drafter", TINY)
     assert cfg.version == 3 and cfg.draft_vocab_size == 48
     assert "BF16" in (run / "drafter" / "model.safetensors").read_bytes()[:4096].decode("latin1")
+
+
+def test_cli_warm_starts_from_an_exported_drafter(records_dir, tmp_path, monkeypatch, capsys):
+    """``--init`` starts from a drafter's weights: the first step's loss is the exported
+    drafter's (bfloat16 aside), far below a fresh drafter's; a conflicting draft vocabulary
+    is refused."""
+    from specjax import cli
+    from specjax.io import models
+
+    monkeypatch.setattr(models, "load", lambda name: models.LoadedModel(TINY, PARAMS, None))
+    common = ["train", "eagle3", "--target", "tiny", "--data", str(records_dir), "--batch", "4",
+              "--seq-len", str(SEQ_LEN), "--ttt-steps", "2", "--eval-every", "0",
+              "--dev-prompts", "4", "--log-every", "1", "--no-progress"]
+    first, warm, fresh = tmp_path / "first", tmp_path / "warm", tmp_path / "fresh"
+    assert cli.main(common + ["--run-dir", str(first), "--steps", "30", "--save-every", "30",
+                              "--draft-vocab", "48", "--lr", "3e-3"]) == 0
+    assert cli.main(common + ["--run-dir", str(warm), "--steps", "1", "--save-every", "1",
+                              "--init", str(first / "drafter")]) == 0
+    assert cli.main(common + ["--run-dir", str(fresh), "--steps", "1", "--save-every", "1",
+                              "--draft-vocab", "48"]) == 0
+
+    def loss_at(run, step):
+        return next(r["loss"] for r in loop.MetricsLog(run).records() if r["step"] == step)
+
+    trained, gap = loss_at(first, 30), loss_at(fresh, 1) - loss_at(first, 30)
+    assert gap > 0.5
+    assert abs(loss_at(warm, 1) - trained) < 0.25 * gap
+    capsys.readouterr()
+    assert cli.main(common + ["--run-dir", str(tmp_path / "bad"), "--steps", "1",
+                              "--init", str(first / "drafter"), "--draft-vocab", "32"]) != 0
+    assert "draft vocabulary has 48 ids, not 32" in capsys.readouterr().err

@@ -210,6 +210,7 @@ def train(target_cfg: ModelConfig, target_params: dict, records, source: loop.Da
           train_cfg: loop.TrainConfig, *, version: int = 3, draft_vocab_size: int | None = None,
           policy=eagle.DynamicTree(), ttt_steps: int = 7, dev_prompts: Sequence[Sequence[int]] = (),
           eval_tokens: int = 64, stop_tokens: Sequence[int] = (), seed: int = 0,
+          init: tuple[EagleConfig, dict] | None = None,
           progress: bool = True) -> tuple[loop.TrainResult, EagleDrafter, dict]:
     """Trains an EAGLE drafter for a target on distilled records.
 
@@ -227,25 +228,40 @@ def train(target_cfg: ModelConfig, target_params: dict, records, source: loop.Da
         every evaluation (``evaluate.tau_eval``).
       eval_tokens, stop_tokens: of the evaluations.
       seed: the drafter's initial weights.
+      init: ``(cfg, own)`` of a drafter to start from instead of fresh weights (a warm start,
+        e.g. :func:`specjax.io.official.load_eagle` of a shipped drafter, float32): its shape and, for
+        EAGLE-3, its draft vocabulary are kept (``draft_vocab_size`` must be None or equal),
+        the optimizer starts afresh. A run directory with checkpoints resumes from them instead.
       progress: show a progress bar.
     Returns:
       ``(result, drafter, own)``: how the run ended, the drafter, and its own params (use
       ``eagle.drafter_params(own, target_params)`` with ``api.generate_tokens``).
+    Raises:
+      ValueError: an unknown version, or an ``init`` drafter of another version or draft
+        vocabulary size.
     """
-    if version == 3:
+    if version not in (1, 3):
+        raise ValueError(f"EAGLE version must be 1 or 3, got {version}")
+    if init is not None:
+        cfg, own = init
+        if cfg.version != version:
+            raise ValueError(f"the initial drafter is EAGLE-{cfg.version}, not EAGLE-{version}")
+        if version == 3 and draft_vocab_size not in (None, cfg.draft_vocab_size):
+            raise ValueError(f"the initial drafter's draft vocabulary has {cfg.draft_vocab_size} "
+                             f"ids, not {draft_vocab_size}; a warm start keeps its vocabulary")
+    elif version == 3:
         cfg = EagleConfig.eagle3(target_cfg, draft_vocab_size=draft_vocab_size)
         own = eagle.init_params(cfg, seed)
         own["d2t"] = jnp.asarray(eagle.draft_vocab(token_counts(records, target_cfg.vocab_size),
                                                    cfg.draft_vocab_size))
-
-        def loss_fn(model, batch, rng):
-            return ttt_loss(model, batch, rng, steps=ttt_steps)
-    elif version == 1:
+    else:
         cfg = EagleConfig.eagle1(target_cfg)
         own = eagle.init_params(cfg, seed)
-        loss_fn = regression_loss
+    if version == 3:
+        def loss_fn(model, batch, rng):
+            return ttt_loss(model, batch, rng, steps=ttt_steps)
     else:
-        raise ValueError(f"EAGLE version must be 1 or 3, got {version}")
+        loss_fn = regression_loss
     drafter = EagleDrafter(cfg, DecoderTarget(target_cfg), policy)
     model = EagleModule(cfg, own, target_cfg, target_params)
     eval_fn = None
