@@ -587,14 +587,18 @@ def _add_train(sub):
                     "are held out and decoded every --eval-every steps by greedy speculative "
                     "decoding with the block chain: tau, tokens/s and whether the output "
                     "equals plain greedy.")
-    f.add_argument("--layers", type=int, default=1, help="draft layers (default: %(default)s)")
-    f.add_argument("--block-size", type=int, default=16,
-                   help="block size, anchor included (default: %(default)s)")
-    f.add_argument("--taps", type=int, default=5,
-                   help="target layers fused into the context (default: %(default)s)")
-    f.add_argument("--mask-token", default="learned",
+    f.add_argument("--layers", type=int, default=None, help="draft layers (default: 1)")
+    f.add_argument("--block-size", type=int, default=None,
+                   help="block size, anchor included (default: 16)")
+    f.add_argument("--taps", type=int, default=None,
+                   help="target layers fused into the context (default: 5)")
+    f.add_argument("--mask-token", default=None,
                    help="a target token id whose frozen embedding fills the masks, or 'learned' "
-                        "for a trained mask embedding (default: %(default)s)")
+                        "for a trained mask embedding (default: learned)")
+    f.add_argument("--init", metavar="DRAFTER_DIR", default=None,
+                   help="start from this official-layout drafter's weights (a shipped one, say) "
+                        "instead of fresh ones, in its shape (the four options above may only "
+                        "repeat it); the optimizer starts afresh")
     f.add_argument("--anchors", type=int, default=64,
                    help="random anchors per packed row (default: %(default)s)")
     f.add_argument("--gamma", type=float, default=None,
@@ -653,13 +657,29 @@ def _train_dflash(args) -> int:
     from specjax.train import dflash
 
     cfg, model, dev, _, source = _train_inputs(args)
-    mask = None if args.mask_token == "learned" else int(args.mask_token)
-    dcfg = DFlashConfig.for_target(model.cfg, n_layers=args.layers, block_size=args.block_size,
-                                   mask_token_id=mask, n_taps=args.taps)
+    mask = None if args.mask_token in (None, "learned") else int(args.mask_token)
+    init = None
+    if args.init is None:
+        dcfg = DFlashConfig.for_target(
+            model.cfg, n_layers=args.layers or 1, block_size=args.block_size or 16,
+            mask_token_id=mask, n_taps=args.taps or 5)
+    else:
+        from specjax.io import official
+
+        dcfg, init = official.load_dflash(args.init, model.cfg)
+        for name, given, want, have in (
+                ("layers", args.layers, args.layers, dcfg.layer.n_layers),
+                ("block-size", args.block_size, args.block_size, dcfg.block_size),
+                ("taps", args.taps, args.taps, len(dcfg.target_layer_ids)),
+                ("mask-token", args.mask_token, mask, dcfg.mask_token_id)):
+            if given is not None and want != have:
+                raise ValueError(f"--{name} {given} differs from the initial drafter's "
+                                 f"{'learned' if have is None else have}; a warm start keeps "
+                                 "its shape")
     result, drafter, own = dflash.train(
         model.cfg, model.params, source, cfg, dcfg,
         recipe=dflash.Recipe(n_anchors=args.anchors, gamma=args.gamma, dpace=args.dpace),
-        dev_prompts=dev, eval_tokens=args.eval_tokens, seed=args.seed,
+        dev_prompts=dev, eval_tokens=args.eval_tokens, seed=args.seed, init=init,
         stop_tokens=model.tokenizer.eos_ids if model.tokenizer else (),
         progress=not args.no_progress)
     if not result.signal:

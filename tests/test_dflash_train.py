@@ -111,7 +111,7 @@ def test_dflash_training_lowers_the_loss_and_raises_tau(records, tmp_path, dpace
     dflash.check_params(drafter.cfg, own)
 
 
-def test_cli_trains_dflash_and_exports_it(records_dir, tmp_path, monkeypatch):
+def test_cli_trains_dflash_and_exports_it(records_dir, tmp_path, monkeypatch, capsys):
     from specjax import cli
     from specjax.io import models, official
 
@@ -127,7 +127,20 @@ def test_cli_trains_dflash_and_exports_it(records_dir, tmp_path, monkeypatch):
     assert all(r["eval_greedy_equal"] for r in rows if "eval_tau" in r)
     # The reference recipe's optimizer settings are the defaults.
     args = cli.build_parser().parse_args(["train", "dflash", "--data", "d", "--run-dir", "r"])
-    assert (args.lr, args.warmup, args.block_size) == (6e-4, 0.04, 16)
+    assert (args.lr, args.warmup) == (6e-4, 0.04)
     cfg, own = official.load_dflash(run / "drafter", TINY)
     assert (cfg.block_size, cfg.layer.n_layers, cfg.mask_token_id) == (4, 1, None)
     assert "BF16" in (run / "drafter" / "model.safetensors").read_bytes()[:4096].decode("latin1")
+    # A warm start (--init) trains from the exported weights: one step at a vanishing learning
+    # rate exports them unchanged; an option that contradicts their shape is refused.
+    warm = tmp_path / "warm"
+    common = ["train", "dflash", "--target", "tiny", "--data", str(records_dir), "--steps", "1",
+              "--batch", "4", "--seq-len", str(SEQ_LEN), "--anchors", "8", "--eval-every", "0",
+              "--save-every", "1", "--dev-prompts", "4", "--no-progress",
+              "--init", str(run / "drafter")]
+    assert cli.main(common + ["--run-dir", str(warm), "--lr", "1e-9", "--block-size", "4"]) == 0
+    _, again = official.load_dflash(warm / "drafter", TINY)
+    jax.tree.map(np.testing.assert_array_equal, again, own)
+    capsys.readouterr()
+    assert cli.main(common + ["--run-dir", str(tmp_path / "bad"), "--block-size", "8"]) == 2
+    assert "--block-size 8 differs from the initial drafter's 4" in capsys.readouterr().err

@@ -215,6 +215,7 @@ def train(target_cfg: ModelConfig, target_params: dict, source: loop.DataSource,
           train_cfg: loop.TrainConfig, cfg: DFlashConfig, *, recipe: Recipe = Recipe(),
           policy=dflash.BlockChain(), dev_prompts: Sequence[Sequence[int]] = (),
           eval_tokens: int = 64, stop_tokens: Sequence[int] = (), seed: int = 0,
+          init: dict | None = None,
           progress: bool = True) -> tuple[loop.TrainResult, DFlashDrafter, dict]:
     """Trains a DFlash drafter of shape ``cfg`` for a target on distilled records.
 
@@ -229,13 +230,24 @@ def train(target_cfg: ModelConfig, target_params: dict, source: loop.DataSource,
         every evaluation (``evaluate.tau_eval``).
       eval_tokens, stop_tokens: of the evaluations.
       seed: the drafter's initial weights.
+      init: own params of shape ``cfg`` to start from instead of fresh weights (a warm start,
+        e.g. :func:`specjax.io.official.load_dflash` of a shipped drafter, float32); the optimizer
+        starts afresh. A run directory with checkpoints resumes from them instead.
       progress: show a progress bar.
     Returns:
       ``(result, drafter, own)``: how the run ended, the drafter, and its own params.
+    Raises:
+      ValueError: ``init`` params of another shape than ``cfg``'s.
     """
     drafter = DFlashDrafter(cfg, DecoderTarget(target_cfg), policy)
     drafter.check_target(DecoderTarget(target_cfg))
-    model = DFlashModule(cfg, dflash.init_params(cfg, seed), target_cfg, target_params)
+    own = dflash.init_params(cfg, seed)
+    if init is not None:
+        if jax.tree.map(jnp.shape, init) != jax.tree.map(jnp.shape, own):
+            raise ValueError("the initial drafter's params do not have the configured "
+                             "drafter's shapes")
+        own = init
+    model = DFlashModule(cfg, own, target_cfg, target_params)
 
     def loss_fn(model, batch, rng):
         return block_loss(model, batch, rng, n_anchors=recipe.n_anchors, gamma=recipe.gamma,
