@@ -633,7 +633,9 @@ def _train_eagle(args) -> int:
         init = official.load_eagle(args.init, model.cfg)
     extra = {}
     if args.version == 3:
-        vocab = args.draft_vocab if args.draft_vocab is not None else None if init else 8192
+        vocab = args.draft_vocab
+        if vocab is None and init is None:
+            vocab = 8192
         extra = dict(draft_vocab_size=None if vocab is None else min(vocab, model.cfg.vocab_size),
                      ttt_steps=args.ttt_steps)
     result, drafter, own = eagle.train(
@@ -660,9 +662,12 @@ def _train_dflash(args) -> int:
     mask = None if args.mask_token in (None, "learned") else int(args.mask_token)
     init = None
     if args.init is None:
+        def given(value, default):
+            return default if value is None else value
+
         dcfg = DFlashConfig.for_target(
-            model.cfg, n_layers=args.layers or 1, block_size=args.block_size or 16,
-            mask_token_id=mask, n_taps=args.taps or 5)
+            model.cfg, n_layers=given(args.layers, 1), block_size=given(args.block_size, 16),
+            mask_token_id=mask, n_taps=given(args.taps, 5))
     else:
         from specjax.io import official
 
