@@ -7,8 +7,18 @@ them never pay the ~7 s transformers import.
 from __future__ import annotations
 
 import importlib.metadata
+import os
+import sys
+from pathlib import Path
 
 import pytest
+
+# `python -m pytest` puts the working directory first on sys.path. From the repository root that
+# makes the repo's kernels/ folder (installed as specjax.kernels) shadow the PyPI distribution
+# `kernels` that transformers imports, and every transformers fixture fails with an ImportError.
+# specjax itself is installed, so the root is not needed on the path.
+_ROOT = Path(__file__).resolve().parent.parent
+sys.path[:] = [p for p in sys.path if Path(p or os.curdir).resolve() != _ROOT]
 
 # Tiny HF models: big enough to exercise GQA, two layers and RoPE, small enough to build in ms.
 TINY_HF = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
