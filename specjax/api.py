@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax import decode, sampling
+from specjax import decode, harness, sampling
 from specjax.config import ModelConfig
 from specjax import targets as targets_lib
 from specjax.targets import DecoderTarget
@@ -76,6 +76,9 @@ class GenerateResult:
         arrays; None for plain decoding.
       peak_bytes: XLA's peak memory estimate of the compiled call (weights, cache and
         temporaries), or None where the backend gives none.
+      gate: under a gated cost-aware budget, the draft gate's state after this request
+        (:class:`specjax.harness.Gate`): pass it as ``gate`` to the next request of the same
+        drafter and budget; else None.
     """
 
     tokens: list[list[int]]
@@ -84,6 +87,7 @@ class GenerateResult:
     run_s: float
     stats: decode.SpecStats | None = None
     peak_bytes: int | None = None
+    gate: object = None
 
     @property
     def tau(self) -> float:
@@ -159,6 +163,7 @@ def generate_tokens(
     prompt_width: int | None = None,
     budget=None,
     new_tokens_width: int | None = None,
+    gate=None,
 ) -> GenerateResult:
     """Plain or speculative generation for a batch of token-id prompts.
 
@@ -183,6 +188,9 @@ def generate_tokens(
       new_tokens_width: compile for this many new tokens per row (at least the largest
         ``max_new_tokens``; default that), so that requests with different token limits share
         one executable: the limits are traced, only this width is static.
+      gate: the draft gate's state from an earlier request's ``GenerateResult.gate``, for the
+        same drafter and a gated budget: the gate goes on from what drafting earned there (a
+        drafter that did not pay is not probed again at once) instead of starting afresh.
     Raises:
       ValueError: a bad sampling value, an out-of-vocabulary prompt token, or a request longer
         than the cache (or the model's context).
@@ -225,14 +233,20 @@ def generate_tokens(
         fn, args = decode.speculative_generate, (params, drafter_params, prompt, prompt_len, sp, rng)
         statics["drafter"] = drafter
         traced["budget"] = budget
+        if decode.gated(budget, drafter):
+            # Always a Gate, so that a first request and the ones after share one executable.
+            traced["gate"] = harness.Gate.start() if gate is None else gate
+    if gate is not None and "gate" not in traced:
+        raise ValueError("a gate state needs a drafter with a gated cost-aware budget")
     exe, compile_s = _compiled(fn, args, traced, statics)
     t0 = time.perf_counter()
     out = jax.block_until_ready(exe(*args, **traced))
     run_s = time.perf_counter() - t0
     stats = None if drafter is None else jax.device_get(out.stats)
+    gate_out = jax.device_get(out.gate) if "gate" in traced else None
     toks, n, stopped = jax.device_get((out.tokens, out.n_generated, out.stopped))
     memory = exe.memory_analysis()
     peak = getattr(memory, "peak_memory_in_bytes", None) if memory is not None else None
     return GenerateResult(tokens=[toks[i, : n[i]].tolist() for i in range(len(prompts))],
                           stopped=[bool(s) for s in stopped], compile_s=compile_s, run_s=run_s,
-                          stats=stats, peak_bytes=peak)
+                          stats=stats, peak_bytes=peak, gate=gate_out)

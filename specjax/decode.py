@@ -272,11 +272,19 @@ class CatchUp:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class SpecGeneration(Generation):
-    """A :class:`Generation` plus speculative statistics (``stats``: :class:`SpecStats`) and,
-    when asked for (``return_dstate``), the drafter's final state (else None)."""
+    """A :class:`Generation` plus speculative statistics (``stats``: :class:`SpecStats`),
+    when asked for (``return_dstate``) the drafter's final state (else None), and under a gated
+    budget the draft gate's final state (:class:`specjax.harness.Gate`, else None)."""
 
     stats: SpecStats = None
     dstate: object = None
+    gate: object = None
+
+
+def gated(budget, drafter) -> bool:
+    """Whether :func:`speculative_generate` runs the draft gate for this budget and drafter:
+    a gated budget (``Budget.gated``) and a drafter that offers ``skip``."""
+    return budget is not None and budget.gated and hasattr(drafter, "skip")
 
 
 def _usable(proposal: Proposal, vocab_size: int) -> jax.Array:
@@ -341,6 +349,7 @@ def speculative_generate(
     return_dstate: bool = False,
     budget=None,
     limits: jax.Array | None = None,
+    gate=None,
 ) -> SpecGeneration:
     """Speculative generation: prefill, then a ``lax.while_loop`` of propose -> verify -> commit.
 
@@ -382,10 +391,15 @@ def speculative_generate(
         ``skip`` and ``commit`` after every step.
       limits: optional [B] int32 per-row token limits in ``[1, max_new_tokens]`` (traced);
         default ``max_new_tokens``.
+      gate: the draft gate's state to start from (traced): an earlier generation's
+        ``SpecGeneration.gate`` for the same drafter and budget, so that a drafter known not
+        to pay is not probed again at the start of every request; default
+        ``Gate.start()``. Only where :func:`gated` holds.
     Returns:
       A :class:`SpecGeneration`.
     Raises:
-      ValueError: ``budget`` with a target or drafter that cannot take it.
+      ValueError: ``budget`` with a target or drafter that cannot take it, or ``gate``
+        without a gated budget.
     """
     b, p = prompt.shape
     limits = _limits(limits, b, max_new_tokens)
@@ -415,10 +429,12 @@ def speculative_generate(
         # Bucket k's pass width: its nodes, at least a plain step's rows, at most the tree.
         widths = tuple(min(max(w, m), n) for w in budget.buckets)
         distinct = sorted(set(widths))
-    gated = budget is not None and budget.gated and hasattr(drafter, "skip")
-    if gated:
-        state = dataclasses.replace(state, gate=harness.Gate.start())
-    catching = gated and hasattr(drafter, "catch_up")
+    is_gated = gated(budget, drafter)
+    if gate is not None and not is_gated:
+        raise ValueError("a gate state needs a gated budget and a drafter that offers skip")
+    if is_gated:
+        state = dataclasses.replace(state, gate=harness.Gate.start() if gate is None else gate)
+    catching = is_gated and hasattr(drafter, "catch_up")
     if catching:
         state = dataclasses.replace(state, catch=CatchUp(
             jnp.zeros((b, CATCH_UP) + prefill_taps.shape[2:], prefill_taps.dtype), zeros))
@@ -477,16 +493,18 @@ def speculative_generate(
 
         return jax.lax.cond(when, take, lambda s: s, s)
 
-    def body(s: SpecState):
-        """One drafted cycle, then (gated) the run of plain steps the gate asks for."""
-        s = cycle(s)
-        if gated:
-            s = jax.lax.while_loop(lambda s: (s.gate.wait > 0) & ~jnp.all(s.done), gated_step,
-                                   s)
+    def plain_run(s: SpecState) -> SpecState:
+        """The run of plain steps the gate asks for (none while its ``wait`` is 0)."""
+        s = jax.lax.while_loop(lambda s: (s.gate.wait > 0) & ~jnp.all(s.done), gated_step, s)
         if catching:
             # The next cycle drafts from the whole committed sequence.
             s = catch_up(s, jnp.any(s.catch.n > 0))
         return s
+
+    def body(s: SpecState):
+        """One drafted cycle, then (gated) the run of plain steps the gate asks for."""
+        s = cycle(s)
+        return plain_run(s) if is_gated else s
 
     def cycle(s: SpecState):
         """One drafted cycle: propose, verify (at the budget's bucket), commit."""
@@ -586,16 +604,20 @@ def speculative_generate(
             verified=st.verified + jnp.where(running, width, 0),
             drafted=st.drafted + running)
         gate = s.gate
-        if gated:
+        if is_gated:
             mean_acc = jnp.sum(n_acc) / jnp.maximum(jnp.sum(running), 1)
             gate = gate.update(budget.advantage(k, mean_acc), jnp.any(running))
         return SpecState(seq=seq, seq_len=seq_len, n_generated=n_generated, done=done,
                          stopped=s.stopped | hit, cache=cache, dstate=dstate, rng=s.rng,
                          cycle=s.cycle + 1, stats=stats, gate=gate, catch=s.catch)
 
+    if is_gated:
+        # A gate carried from an earlier request may be inside a run of plain steps.
+        state = plain_run(state)
     state = jax.lax.while_loop(cond, body, state)
     idx = prompt_len[:, None] + jnp.arange(max_new_tokens)[None, :]
     out = jnp.take_along_axis(state.seq, idx, axis=1)
     out = jnp.where(jnp.arange(max_new_tokens)[None, :] < state.n_generated[:, None], out, pad_id)
     return SpecGeneration(tokens=out, n_generated=state.n_generated, stopped=state.stopped,
-                          stats=state.stats, dstate=state.dstate if return_dstate else None)
+                          stats=state.stats, dstate=state.dstate if return_dstate else None,
+                          gate=state.gate)

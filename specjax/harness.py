@@ -35,7 +35,9 @@ drafted cycle whose advantage replaces the average; a successful probe resumes d
 failure that loses ``-a`` plain steps starts a run long enough that the loss is at most
 ``GATE_PROBE_SHARE`` of it (``-a / GATE_PROBE_SHARE`` steps) and at least twice the previous
 run, up to ``GATE_MAX_SKIP`` steps: a drafter that never pays costs a few percent at most, and
-one that nearly breaks even is probed often. A drafter whose draft time is negligible (under
+one that nearly breaks even is probed often. The gate's state is returned with the generation
+and may start the next request (``gate=``), which then finishes the run of plain steps it is
+in before drafting again. A drafter whose draft time is negligible (under
 ``GATE_MIN_DRAFT`` of a plain step: prompt lookup) is never gated, so a match is never missed.
 
 Costs are measured (``specjax calibrate``) into a :class:`CostTable` JSON, reused while the

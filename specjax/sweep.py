@@ -18,6 +18,11 @@ Executables are shared: prompts are padded to a coarse width (``WIDTH_BUCKET``) 
 one-token runs reuse the whole generation's executable (token limits are traced), so each
 method compiles once per width and batch size, and compilation happens before timing.
 
+**Gates carried.** A cost-aware method whose budget is gated (:class:`specjax.harness.Gate`)
+goes on from the gate its previous request left (the warm-up run included), through every set
+and temperature of one batch size and context, as a server would: a drafter that does not pay
+is probed once per run of plain steps, not again at the start of every request.
+
 **Time split.** A cycle's time is split by separately jitted measurements of its stages: the
 drafter's ``propose`` alone (:func:`specjax.calibrate.measure_draft_cost`), and a verify pass
 at the cell's mean verified width (:func:`specjax.calibrate.measure_verify_costs`); what is
@@ -200,6 +205,8 @@ def run(model, prompt_sets: Mapping[str, Sequence[str]], method_list: Sequence[M
             int(np.mean([len(p) for ids in encoded.values() for p in ids])), max_new_tokens)
         # One verify curve per batch size and context: the time split's and the cost tables'.
         curve, draft_ms, budgets = None, {}, {}
+        # Each gated method's draft gate, carried from request to request as a server would.
+        gates = {}
         if widest > 2 and (latency or any(m.cost_aware for m in method_list)):
             curve = calibrate.measure_verify_costs(cfg, params, nodes, context=context, batch=b)
         for m in method_list:
@@ -220,8 +227,16 @@ def run(model, prompt_sets: Mapping[str, Sequence[str]], method_list: Sequence[M
                               temperature=t, prompt_width=width, seed=seed,
                               stop_tokens=stops, budget=budgets.get(m.name),
                               new_tokens_width=max_new_tokens)
-                    warm = api.generate_tokens(cfg, params, reqs[0],
-                                               max_new_tokens=max_new_tokens, **kw)
+
+                    def call(req, n, m=m, kw=kw):
+                        """``m`` on ``req`` for ``n`` new tokens, going on from its gate."""
+                        r = api.generate_tokens(cfg, params, req, max_new_tokens=n,
+                                                gate=gates.get(m.name), **kw)
+                        if r.gate is not None:
+                            gates[m.name] = r.gate
+                        return r
+
+                    warm = call(reqs[0], max_new_tokens)
                     ttft, tpot, total_s, new_tokens, outs = [], [], 0.0, 0, []
                     hist, cycles, drafted, verified, fallbacks = None, 0, 0, 0, 0
                     paired_s, paired_tokens = 0.0, 0
@@ -231,16 +246,14 @@ def run(model, prompt_sets: Mapping[str, Sequence[str]], method_list: Sequence[M
                             if m.drafter is not None:
                                 bases.append(api.generate_tokens(
                                     cfg, params, req, max_new_tokens=max_new_tokens, **plain_kw))
-                            runs.append(api.generate_tokens(
-                                cfg, params, req, max_new_tokens=max_new_tokens, **kw))
+                            runs.append(call(req, max_new_tokens))
                         full = min(runs, key=lambda r: r.run_s)
                         if bases:
                             base = min(bases, key=lambda r: r.run_s)
                             paired_s += base.run_s
                             paired_tokens += base.n_tokens
                         if latency:
-                            first = min(api.generate_tokens(cfg, params, req, max_new_tokens=1,
-                                                            **kw).run_s for _ in range(repeats))
+                            first = min(call(req, 1).run_s for _ in range(repeats))
                             ttft.append(first)
                             longest = max(len(x) for x in full.tokens)
                             tpot.append(max(full.run_s - first, 0.0) / max(longest - 1, 1))

@@ -147,6 +147,10 @@ def test_budgets_need_a_drafter_with_confidences():
     with pytest.raises(ValueError, match="needs a drafter"):
         api.generate_tokens(TINY, PARAMS, PROMPTS, max_new_tokens=4,
                             budget=harness.Budget((0, 4), (1.0, 1.0)))
+    with pytest.raises(ValueError, match="a gate state needs a drafter with a gated"):
+        api.generate_tokens(TINY, PARAMS, PROMPTS, max_new_tokens=4,
+                            drafter=NgramDrafter.for_budget(4), budget=harness.Budget((0, 4), (1.0, 1.0)),
+                            gate=harness.Gate.start())
 
 
 def test_the_gate_backs_off_after_failed_probes_and_resumes_after_a_good_one():
@@ -224,6 +228,15 @@ def test_greedy_output_of_the_harness_equals_plain_for_every_drafter(name):
             # A probe losing ~19 plain steps starts the longest run: one probe per row.
             assert (st.drafted <= 1).all() and st.drafted.sum() >= 1, st.drafted
             assert (st.accepted <= st.drafted * drafter.max_depth).all()
+            # The next request goes on from that gate: still inside the run, it never drafts.
+            assert int(got.gate.wait) > 16 and bool(got.gate.probing)
+            again = api.generate_tokens(TINY, PARAMS, PROMPTS, max_new_tokens=16,
+                                        stop_tokens=[stop], drafter=drafter, drafter_params=dp,
+                                        budget=budget, gate=got.gate)
+            assert again.compile_s == 0.0  # a fresh gate and a carried one: one executable
+            assert again.tokens == want.tokens
+            assert again.stats.drafted.sum() == 0, again.stats.drafted
+            assert int(again.gate.wait) < int(got.gate.wait)
         else:
             assert (st.drafted == st.cycles).all()
 
