@@ -149,8 +149,8 @@ def test_budgets_need_a_drafter_with_confidences():
                             budget=harness.Budget((0, 4), (1.0, 1.0)))
     with pytest.raises(ValueError, match="a gate state needs a drafter with a gated"):
         api.generate_tokens(TINY, PARAMS, PROMPTS, max_new_tokens=4,
-                            drafter=NgramDrafter.for_budget(4), budget=harness.Budget((0, 4), (1.0, 1.0)),
-                            gate=harness.Gate.start())
+                            drafter=NgramDrafter.for_budget(4),
+                            budget=harness.Budget((0, 4), (1.0, 1.0)), gate=harness.Gate.start())
 
 
 def test_the_gate_backs_off_after_failed_probes_and_resumes_after_a_good_one():
