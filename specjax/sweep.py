@@ -34,9 +34,9 @@ Record fields (the latency ones None with ``run(latency=False)``): ``method``,
 are), ``requests``, ``prompt_tokens`` (mean), ``new_tokens`` (total), ``ttft_ms`` (p50),
 ``tpot_ms`` ({p50, p95, p99}), ``tok_s``, ``plain_tok_s``, ``speedup``, ``tau``,
 ``acceptance`` (P(accepted >= k) for k = 1..D), ``drafted`` (fraction of cycles that drafted),
-``verified`` (nodes per cycle), ``fallbacks``, ``split_ms`` ({draft, verify, other} per
-cycle), ``peak_mb``, ``same_as_plain`` (greedy cells: whether every row's tokens equal plain
-decoding's; None when sampled).
+``verified`` (nodes per row and cycle), ``fallbacks``, ``split_ms`` ({draft, verify, other}
+per cycle of the whole batch), ``peak_mb``, ``same_as_plain`` (greedy cells: whether every
+row's tokens equal plain decoding's; None when sampled).
 """
 
 from __future__ import annotations
@@ -239,6 +239,7 @@ def run(model, prompt_sets: Mapping[str, Sequence[str]], method_list: Sequence[M
                     warm = call(reqs[0], max_new_tokens)
                     ttft, tpot, total_s, new_tokens, outs = [], [], 0.0, 0, []
                     hist, cycles, drafted, verified, fallbacks = None, 0, 0, 0, 0
+                    passes = 0  # the batch's cycles: the longest-running row took part in all
                     paired_s, paired_tokens = 0.0, 0
                     for req in reqs:
                         runs, bases = [], []
@@ -265,6 +266,7 @@ def run(model, prompt_sets: Mapping[str, Sequence[str]], method_list: Sequence[M
                             h = np.asarray(st.accept_hist).sum(0)
                             hist = h if hist is None else hist + h
                             cycles += int(st.cycles.sum())
+                            passes += int(np.asarray(st.cycles).max())
                             drafted += int(st.drafted.sum())
                             verified += int(st.verified.sum())
                             fallbacks += int(st.fallbacks.sum())
@@ -282,7 +284,7 @@ def run(model, prompt_sets: Mapping[str, Sequence[str]], method_list: Sequence[M
                         d = draft_ms[m.name] * drafted / cycles
                         v = 1e3 * curve.at(verified / cycles)
                         split = dict(draft=d, verify=v,
-                                     other=max(1e3 * decode_s / cycles - d - v, 0.0))
+                                     other=max(1e3 * decode_s / max(passes, 1) - d - v, 0.0))
                     greedy = t == 0
                     record = dict(
                         method=m.name, cost_aware=m.cost_aware, set=set_name, temperature=t,
