@@ -266,7 +266,7 @@ def run(model, prompt_sets: Mapping[str, Sequence[str]], method_list: Sequence[M
                             h = np.asarray(st.accept_hist).sum(0)
                             hist = h if hist is None else hist + h
                             cycles += int(st.cycles.sum())
-                            passes += int(np.asarray(st.cycles).max())
+                            passes += int(st.cycles.max())
                             drafted += int(st.drafted.sum())
                             verified += int(st.verified.sum())
                             fallbacks += int(st.fallbacks.sum())
