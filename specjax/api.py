@@ -209,9 +209,9 @@ def generate_tokens(
         raise ValueError(f"prompt of {int(lengths.max())} tokens + max_new_tokens="
                          f"{max_new_tokens} exceeds the model's context of "
                          f"{cfg.max_position_embeddings} positions")
-    # Scratch past the committed tokens: a verify pass's nodes, or a bf16 step's second row.
     tgt = DecoderTarget(cfg)
-    extra = targets_lib.step_tokens(tgt) - 1 if drafter is None else drafter.n_nodes
+    # Scratch past the committed tokens: a verify pass's nodes.
+    extra = 0 if drafter is None else drafter.n_nodes
     # The prefill writes the whole padded width, so the cache must hold it too.
     capacity = cache_size or round_up(max(need + extra, tokens.shape[1]), CACHE_MULTIPLE)
     decode.check_capacity(int(lengths.max()), max_new_tokens, capacity, extra)

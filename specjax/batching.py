@@ -33,7 +33,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax import api, decode, sampling
-from specjax import targets as targets_lib
 from specjax.config import ModelConfig
 from specjax.models import cache as cache_lib
 from specjax.targets import DecoderTarget
@@ -136,15 +135,14 @@ def resize(pool: Pool, *, capacity: int) -> Pool:
     return dataclasses.replace(pool, cache=cache_lib.resize(pool.cache, capacity))
 
 
-def slots_needed(prompt_len: int, n_generated: int, need: int, steps: int, extra: int) -> int:
+def slots_needed(prompt_len: int, n_generated: int, need: int, steps: int) -> int:
     """Cache slots one row can touch by the end of a chunk of ``steps`` decode steps.
 
     Its committed length is ``prompt_len + n_generated - 1`` (the newest token is not in the
-    cache yet); each step writes one slot past the committed ones plus ``extra`` scratch slots
-    (a bfloat16 step's second row). ``need`` (at least the prompt's prefill width) caps it: the
-    most the request can ever use.
+    cache yet); each step writes one slot past the committed ones. ``need`` (at least the
+    prompt's prefill width) caps it: the most the request can ever use.
     """
-    return min(need, prompt_len + n_generated - 1 + steps + extra)
+    return min(need, prompt_len + n_generated - 1 + steps)
 
 
 @functools.partial(jax.jit, static_argnames=("target", "steps", "stop_tokens"),
@@ -248,10 +246,9 @@ def generate(
         raise ValueError(f"prompt {lengths.index(0)} is empty; every prompt needs a token")
     sp = sampling.SamplingParams.make(n, temperature, top_k, top_p)
     target = DecoderTarget(cfg)
-    extra = targets_lib.step_tokens(target) - 1  # a bfloat16 step's scratch row
     width = [api.round_up(ln, PREFILL_BUCKET) for ln in lengths]
     # Slots request i may ever use: its prompt's prefill width and every token it may feed.
-    need = [max(w, ln + int(lim) + extra) for w, ln, lim in zip(width, lengths, limits)]
+    need = [max(w, ln + int(lim)) for w, ln, lim in zip(width, lengths, limits)]
     if max(need) > cfg.max_position_embeddings:
         i = int(np.argmax(need))
         raise ValueError(f"prompt {i} plus its max_new_tokens needs {need[i]} positions; the "
@@ -283,7 +280,7 @@ def generate(
         if all(i is None for i in owner):
             break
         reach = max(max(width[i] if slot in entering else 0,
-                        slots_needed(lengths[i], int(n_gen[slot]), need[i], chunk, extra))
+                        slots_needed(lengths[i], int(n_gen[slot]), need[i], chunk))
                     for slot, i in enumerate(owner) if i is not None)
         capacity = api.round_up(reach, CAPACITY_MULTIPLE)
         if pool is None:

@@ -54,10 +54,9 @@ class VerifyCosts:
         return float(np.interp(n, self.nodes, self.seconds))
 
     @property
-    def fastest_plain_step(self) -> float:
-        """The cheapest way to decode one token: min over passes of 1 or 2 rows (a bf16 plain
-        step runs two rows, ``models.target.step_tokens``)."""
-        return min(self.at(1), self.at(2)) if 2 in self.nodes else self.at(1)
+    def plain_step(self) -> float:
+        """Seconds for a plain decoding step (a one-node pass)."""
+        return self.at(1)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "tree", "reps"))
@@ -186,7 +185,7 @@ def measure_cost_table(cfg: ModelConfig, params: dict, buckets: Sequence[int], d
     prompts = rng.integers(0, cfg.vocab_size, (batch, context)).tolist()
     verify, draft = [], []
     for n in buckets:
-        verify.append(costs.fastest_plain_step if n == 0 else costs.at(n))
+        verify.append(costs.plain_step if n == 0 else costs.at(n))
         if n == 0 or drafter_at is None:
             draft.append(0.0)
             continue
@@ -258,7 +257,7 @@ def drafter_cost_table(cfg: ModelConfig, params: dict, drafter, dparams, *, batc
     draft = measure_draft_cost(cfg, params, drafter, dparams, prompts, slots, width=context)
     report("draft", drafter.n_nodes, draft)
     table = harness.CostTable(
-        buckets, tuple(costs.fastest_plain_step if n == 0 else costs.at(n) for n in buckets),
+        buckets, tuple(costs.plain_step if n == 0 else costs.at(n) for n in buckets),
         tuple(0.0 if n == 0 else draft for n in buckets), full_key)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")

@@ -109,9 +109,8 @@ def generate(
       target: a static target object (:class:`specjax.targets.Target`), e.g.
         ``DecoderTarget(cfg)``; only its required methods are used.
       max_new_tokens: tokens to generate per row at most (static: the output's width).
-      capacity: cache slots per row; must be >= P + max(limits) + step_tokens - 1 (static;
-        checked by :func:`check_capacity`, called by the high-level API; the extra slot is
-        the scratch of a bfloat16 step).
+      capacity: cache slots per row; must be >= P + max(limits) (static; checked by
+        :func:`check_capacity`, called by the high-level API).
       stop_tokens: token ids that end a row (static).
       pad_id: filler for the output past each row's end.
       limits: optional [B] int32 per-row token limits in ``[1, max_new_tokens]`` (traced, so
@@ -160,13 +159,11 @@ def plain_step(target, params, cache, last: jax.Array, positions: jax.Array, key
     capacity (their sampled token is meaningless). ``step_taps`` is the fed token's
     [B, 1, len(taps), E] target taps at the layers ``taps`` (what a drafter catches up on).
     """
-    rows = targets_lib.step_tokens(target)  # 2 in bfloat16: the copy's key/value is scratch
-    tokens = jnp.repeat(last[:, None], rows, axis=1)
-    logits, step_taps, cache = target.forward(
-        params, tokens, positions[:, None] + jnp.arange(rows), cache, None, taps)
+    logits, step_taps, cache = target.forward(params, last[:, None], positions[:, None], cache,
+                                              None, taps)
     tok = sampling.sample_rows(keys, logits[:, 0], sp)
     root_path = jnp.zeros((last.shape[0], 1), jnp.int32)
-    return tok, step_taps[:, :1], target.commit(cache, root_path, running.astype(jnp.int32))
+    return tok, step_taps, target.commit(cache, root_path, running.astype(jnp.int32))
 
 
 def _limits(limits: jax.Array | None, batch: int, max_new_tokens: int) -> jax.Array:
@@ -180,7 +177,7 @@ def check_capacity(prompt_tokens: int, max_new_tokens: int, capacity: int, extra
     """Raises ValueError when a request cannot fit the cache.
 
     ``extra`` is the scratch a pass needs past the committed tokens: a verify pass's node
-    budget, or the second row of a bfloat16 plain step.
+    budget.
     """
     need = prompt_tokens + max_new_tokens + extra
     if need > capacity:
@@ -422,12 +419,11 @@ def speculative_generate(
                         accept_hist=jnp.zeros((b, depth_max + 1), jnp.int32), fallbacks=zeros,
                         verified=zeros, drafted=zeros))
     fast = targets_lib.fresh_pass(target)
-    m = min(n, targets_lib.step_tokens(target))
     if budget is not None:
         if fast is None:
             raise ValueError("cost-aware budgets need a target that offers forward_fresh")
-        # Bucket k's pass width: its nodes, at least a plain step's rows, at most the tree.
-        widths = tuple(min(max(w, m), n) for w in budget.buckets)
+        # Bucket k's pass width: its nodes, at least the root, at most the tree.
+        widths = tuple(min(max(w, 1), n) for w in budget.buckets)
         distinct = sorted(set(widths))
     is_gated = gated(budget, drafter)
     if gate is not None and not is_gated:
@@ -474,7 +470,7 @@ def speculative_generate(
         st = s.stats
         stats = dataclasses.replace(
             st, cycles=st.cycles + count,
-            verified=st.verified + targets_lib.step_tokens(target) * count,
+            verified=st.verified + count,
             accept_hist=st.accept_hist.at[:, 0].add(count))
         s = SpecState(seq=seq, seq_len=seq_len, n_generated=n_generated,
                       done=s.done | hit | (n_generated >= limits), stopped=s.stopped | hit,
@@ -566,13 +562,13 @@ def speculative_generate(
             res, path_taps, fresh = jax.lax.switch(
                 pick, [functools.partial(fresh_cycle, w) for w in distinct])
             width = jnp.asarray(widths, jnp.int32)[k]
-        elif m < n and fast is not None:
+        elif n > 1 and fast is not None:
             # A cycle in which no running row has a draft (prompt lookup found nothing, say)
-            # scores just the first m nodes: a plain step's cost instead of an N-node pass.
+            # scores just the roots: a plain step's cost instead of an N-node pass.
             any_draft = jnp.any(running[:, None] & node_valid[:, 1:])
             res, path_taps, fresh = jax.lax.cond(any_draft, lambda: fresh_cycle(n),
-                                                 lambda: fresh_cycle(m))
-            width = jnp.where(any_draft, n, m)
+                                                 lambda: fresh_cycle(1))
+            width = jnp.where(any_draft, n, 1)
         else:
             t_logits, t_taps, cache = target.forward(params, tokens, positions, s.cache, anc,
                                                      drafter.taps)

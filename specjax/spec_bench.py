@@ -9,7 +9,7 @@ times move with whatever else the machine runs):
 
 1. **Verify cost curve** ``T_verify(N)`` for ``N in --nodes`` in float32 and bfloat16
    (float32 accumulation), each against the fastest plain-decoding step at the same precision
-   (``calibrate.VerifyCosts.fastest_plain_step``: one row in float32, two rows in bfloat16) and
+   (``calibrate.VerifyCosts.plain_step``) and
    against the fastest plain step at any precision.
 2. **Drafters on a copy-heavy task** at temperature 0: "rewrite this function" prompts built from
    functions of Python's own standard library (present on every machine), or the first turns
@@ -158,7 +158,7 @@ def dflash_layer_costs(model, prompts: Sequence[str], layers: Sequence[int], *, 
     ids = [tok.encode_chat([{"role": "user", "content": p}]) for p in prompts]
     cache = api.round_up(max(map(len, ids)) + max_new_tokens + block + 1, api.CACHE_MULTIPLE)
     costs = calibrate.measure_verify_costs(cfg, params, (1, block))
-    log(f"plain step {costs.fastest_plain_step * 1e3:.1f} ms, verify N={block} "
+    log(f"plain step {costs.plain_step * 1e3:.1f} ms, verify N={block} "
         f"{costs.seconds[-1] * 1e3:.1f} ms")
     rows = []
     for n in layers:
@@ -195,7 +195,7 @@ def run_spec_benchmark(model, prompts: Sequence[str] | Mapping[str, Sequence[str
     curve and the drafter's measured draft time."""
     cfg, params, tok = model.cfg, model.params, model.tokenizer
     cfg16 = cfg.replace(dtype="bfloat16")
-    # As load(dtype="bfloat16") gives it: no one-row copies, a bf16 step runs two rows.
+    # As load(dtype="bfloat16") gives it: no one-row copies.
     params16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16), without_row_weights(params))
 
     log("verify cost curve (ms per pass):")
@@ -204,7 +204,7 @@ def run_spec_benchmark(model, prompts: Sequence[str] | Mapping[str, Sequence[str
     for c, p in precisions:
         curves[c.dtype] = calibrate.measure_verify_costs(
             c, p, nodes, progress=lambda n, s, d=c.dtype: log(f"  {d} N={n}: {s * 1e3:.1f}"))
-    fastest_any = min(v.fastest_plain_step for v in curves.values())
+    fastest_any = min(v.plain_step for v in curves.values())
 
     configs = {"plain f32": (cfg, params, None, None)}
     if "bfloat16" in dtypes:
@@ -263,7 +263,7 @@ def run_spec_benchmark(model, prompts: Sequence[str] | Mapping[str, Sequence[str
         buckets = tuple(n for n in sorted(set(cost_aware)) if n <= d.n_nodes)
         twin = f"{name} cost-aware"
         budgets[twin] = harness.CostTable(
-            buckets, tuple(costs.fastest_plain_step if n == 0 else costs.at(n) for n in buckets),
+            buckets, tuple(costs.plain_step if n == 0 else costs.at(n) for n in buckets),
             tuple(0.0 if n == 0 else draft[name] / 1e3 for n in buckets)).budget()
         configs[twin], draft[twin] = configs[name], draft[name]
     best = {name: [np.inf] * len(batches) for name in configs}
@@ -314,7 +314,7 @@ def run_spec_benchmark(model, prompts: Sequence[str] | Mapping[str, Sequence[str
                                          for i in idx]))
         sets.append(dict(name=set_name, prompts=len(ids), drafters=rows))
     return dict(curves={d: dict(nodes=v.nodes, seconds=v.seconds,
-                                plain_step=v.fastest_plain_step) for d, v in curves.items()},
+                                plain_step=v.plain_step) for d, v in curves.items()},
                 fastest_plain_step_any=fastest_any, sets=sets,
                 max_new_tokens=max_new_tokens, batch=batch, temperature=temperature)
 

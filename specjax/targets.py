@@ -17,14 +17,14 @@ None = causal), at ``positions`` (committed length + depth); ``commit`` keeps th
 ``n_keep`` nodes of ``path`` as the next committed tokens, in path order, and forgets the rest.
 ``path[:, 0]`` is always node 0 (the root); plain decoding commits ``path = [[0]]``.
 
-Optional, declared by :class:`FreshPassTarget`, for speed only: ``step_tokens`` (the fewest
-query tokens a pass should carry) and ``forward_fresh(...) -> (logits, taps, fresh)``,
+Optional, declared by :class:`FreshPassTarget`, for speed only: ``forward_fresh(...) ->
+(logits, taps, fresh)``,
 ``take_fresh(fresh, path[B, P]) -> fresh`` and ``commit_fresh(cache, fresh, n_keep[B]) ->
 cache``, which split ``forward`` then ``commit`` into a pass that only reads the cache, the
 accepted path's share of what it computed (in path order), and one write of that share as the
 next committed tokens (the first ``n_keep``; the rest is scratch past them). With them the
-speculative loop scores only the roots (a pass of ``step_tokens`` tokens) in a cycle where no
-row has a draft, and writes each cycle's keys and values once.
+speculative loop scores only the roots (a one-token pass) in a cycle where no row has a
+draft, and writes each cycle's keys and values once.
 
 Drafters that read the target's own weights (EAGLE, DFlash) need :class:`DraftingTarget`:
 ``embed``, ``lm_head`` (full, or gathered over a reduced vocabulary), ``final_norm``, the
@@ -64,8 +64,6 @@ class Target(Protocol):
 @runtime_checkable
 class FreshPassTarget(Target, Protocol):
     """A target with the optional fast paths (module docstring)."""
-
-    step_tokens: int
 
     def forward_fresh(self, params: Any, tokens: jax.Array, positions: jax.Array, cache: Any,
                       mask: jax.Array | None, taps: tuple[int, ...] = ()
@@ -115,11 +113,6 @@ def fresh_pass(tgt: Target) -> FreshPassTarget | None:
     return tgt if isinstance(tgt, FreshPassTarget) else None
 
 
-def step_tokens(tgt: Target) -> int:
-    """The fewest query tokens a pass of ``tgt`` should carry (1 unless it declares more)."""
-    return tgt.step_tokens if isinstance(tgt, FreshPassTarget) else 1
-
-
 def require_drafting_target(family: str, tgt: Any, vocab_size: int) -> None:
     """Raises ValueError unless ``tgt`` is a :class:`DraftingTarget` with ``vocab_size`` ids:
     the first checks of every drafter that reads its target's weights (``family`` names it in
@@ -164,11 +157,6 @@ class DecoderTarget:
     @property
     def final_normed_tap(self) -> int:
         return target.FINAL_NORMED
-
-    @property
-    def step_tokens(self) -> int:
-        """The fewest query tokens a pass should carry (:func:`specjax.models.target.step_tokens`)."""
-        return target.step_tokens(self.cfg)
 
     def prefill(self, params, prompt, prompt_len, capacity: int, taps: tuple[int, ...] = ()):
         return target.prefill(params, self.cfg, prompt, prompt_len, capacity, taps)

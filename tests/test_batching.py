@@ -66,12 +66,12 @@ def test_a_chunk_that_crosses_a_capacity_step():
 
 
 @pytest.mark.parametrize("prompt_len, n_generated, need, want", [
-    (10, 1, 400, 10 + 4 + 1),  # a new row: its prompt, then up to 4 written slots + scratch
-    (10, 30, 400, 10 + 29 + 4 + 1),
+    (10, 1, 400, 10 + 4),  # a new row: its prompt, then up to 4 written slots
+    (10, 30, 400, 10 + 29 + 4),
     (10, 390, 400, 400),  # near its limit: capped by what it may ever use
 ])
 def test_slots_needed(prompt_len, n_generated, need, want):
-    assert batching.slots_needed(prompt_len, n_generated, need, steps=4, extra=1) == want
+    assert batching.slots_needed(prompt_len, n_generated, need, steps=4) == want
 
 
 def test_per_request_seeds_and_ids_serve_several_batches_in_one_pool():

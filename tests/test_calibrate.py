@@ -20,4 +20,4 @@ def test_measure_verify_costs_shape_and_interpolation():
     assert costs.nodes == (1, 2, 4) and seen == [1, 2, 4]
     assert all(s > 0 for s in costs.seconds)
     assert costs.at(3) == pytest.approx((costs.seconds[1] + costs.seconds[2]) / 2)
-    assert costs.fastest_plain_step == min(costs.seconds[:2])
+    assert costs.plain_step == costs.seconds[0]

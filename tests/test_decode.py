@@ -40,7 +40,8 @@ def test_greedy_equals_uncached_reference():
 
 
 def test_bfloat16_greedy_equals_its_uncached_reference():
-    """The bf16 step feeds two rows (target.step_tokens); the second must not leak."""
+    """A bf16 step's one row runs as two inside each product (layers.matmul); the copy must
+    not leak."""
     cfg = TINY.replace(dtype="bfloat16")
     params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), PARAMS)
     got = api.generate_tokens(cfg, params, [PROMPTS[1]], max_new_tokens=10)

@@ -230,8 +230,7 @@ def context_kv(cfg: DFlashConfig, p: dict, ctx: jax.Array, cos: jax.Array, sin: 
     ``(k, v)`` as [B * K, T, H] rows."""
     lc = cfg.layer
     g = lc.q_per_kv
-    kv = jnp.einsum("btd,dkjh->btkjh", ctx, p["wqkv"][:, :, g:],
-                    preferred_element_type=jnp.float32).astype(ctx.dtype)  # [B, T, K, 2, H]
+    kv = layers.matmul(ctx, p["wqkv"][:, :, g:], "btd,dkjh->btkjh").astype(ctx.dtype)  # [B, T, K, 2, H]
     k = layers.rms_norm(kv[..., 0, :], p["k_norm"], lc.norm_eps)
     return layers.kv_rows(layers.apply_rope(k, cos, sin)), layers.kv_rows(kv[..., 1, :])
 

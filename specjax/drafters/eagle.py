@@ -271,7 +271,7 @@ def draft_logits(cfg: EagleConfig, target, params: dict, out: jax.Array) -> jax.
         return target.lm_head(params["target"], out)
     own = params["drafter"]
     h = layers.rms_norm(out, own["final_norm"], cfg.layer.norm_eps)
-    return jnp.einsum("...d,dv->...v", h, own["lm_head"], preferred_element_type=jnp.float32)
+    return layers.matmul(h, own["lm_head"], "...d,dv->...v")
 
 
 def full_vocab_logits(cfg: EagleConfig, own: dict, logits: jax.Array) -> jax.Array:

@@ -145,7 +145,8 @@ def load(name_or_path: str | Path, dtype: str = "float32",
             f"has only {cfg.vocab_size} rows (vocab_size)"
         )
     if row_weights is None:
-        # A bfloat16 decoding step feeds two rows (specjax.models.target.step_tokens), never one.
+        # A one-row bfloat16 product runs as two rows (specjax.models.layers.matmul), which
+        # the [in, out] weights serve.
         row_weights = cfg.dtype == "float32" and jax.default_backend() == "cpu"
     if row_weights:
         params = with_row_weights(params)

@@ -67,16 +67,6 @@ def init_params(cfg: ModelConfig, seed: int = 0, scale: float = 0.02) -> dict:
     return params_lib.init(cfg, seed, scale)
 
 
-def step_tokens(cfg: ModelConfig) -> int:
-    """The fewest query tokens a pass should carry to decode one token.
-
-    XLA:CPU's one-row bfloat16 matrix-vector products run several times slower than two-row
-    ones, so a bfloat16 step feeds its token twice (the copy's key/value lands in a scratch
-    slot past the committed length, its logits are dropped); float32 steps use one row.
-    """
-    return 2 if cfg.dtype == "bfloat16" else 1
-
-
 def _rules(cache: cache_lib.KVCache, mask: jax.Array | None, fresh: bool):
     """The visibility rules of a pass over T new tokens (module docstring, **Masks**).
 
@@ -215,13 +205,12 @@ def lm_head(params: dict, cfg: ModelConfig, hidden: jax.Array,
     """
     if vocab_ids is not None:
         w = (params["embed"] if cfg.tie_embeddings else params["lm_head"].T)[vocab_ids]  # [V', D]
-        return jnp.einsum("...d,vd->...v", hidden, w, preferred_element_type=jnp.float32)
+        return layers.matmul(hidden, w, "...d,vd->...v")
     if cfg.tie_embeddings:
-        return jnp.einsum("...d,vd->...v", hidden, params["embed"], preferred_element_type=jnp.float32)
+        return layers.matmul(hidden, params["embed"], "...d,vd->...v")
     if np.prod(hidden.shape[:-1]) == 1 and "lm_head_t" in params:
-        return jnp.einsum("...d,vd->...v", hidden, params["lm_head_t"],
-                          preferred_element_type=jnp.float32)
-    return jnp.einsum("...d,dv->...v", hidden, params["lm_head"], preferred_element_type=jnp.float32)
+        return layers.matmul(hidden, params["lm_head_t"], "...d,vd->...v")
+    return layers.matmul(hidden, params["lm_head"], "...d,dv->...v")
 
 
 def forward(
