@@ -44,7 +44,8 @@ def _top2_gap(model, ids):
 
 
 DRAFTERS = ["ngram k=6", "draft-model L=2 k=3", "shipped eagle3, tree N=16",
-            "shipped dflash, block chain", "shipped dflash, ddtree N=16"]
+            "shipped eagle1, tree N=16", "shipped dflash, block chain",
+            "shipped dflash, ddtree N=16"]
 
 
 def _drafter(model, name):
@@ -54,8 +55,9 @@ def _drafter(model, name):
         return NgramDrafter(draft_len=6), None
     if name.startswith("draft-model"):
         return DraftModelDrafter.from_target_layers(model.cfg, model.params, 2, draft_len=3)
-    if "eagle3" in name:
-        ecfg, own = official.load_eagle(shipped_drafter("smollm2-135m", "eagle3"), model.cfg)
+    if "eagle" in name:
+        method = "eagle3" if "eagle3" in name else "eagle1"
+        ecfg, own = official.load_eagle(shipped_drafter("smollm2-135m", method), model.cfg)
         return (eagle.EagleDrafter(ecfg, tgt, eagle.DynamicTree(16, 5, 4)),
                 eagle.drafter_params(own, model.params))
     dcfg, down = official.load_dflash(shipped_drafter("smollm2-135m", "dflash"), model.cfg)
