@@ -30,6 +30,13 @@ def _num(x, fmt: str) -> str:
     return "-" if x is None else format(x, fmt)
 
 
+def _same(same: bool | None, gap: float | None) -> str:
+    """The "= plain" cell: yes, NO with the top-2 gap where outputs part, or - (sampled)."""
+    if same is None:
+        return "-"
+    return "yes" if same else ("NO" if gap is None else f"NO (gap {gap:.3f})")
+
+
 def markdown(records: Sequence[dict]) -> str:
     """A markdown table, one row per record, grouped by (set, temperature, batch, context) as
     run; the context column appears when some record has one."""
@@ -50,7 +57,7 @@ def markdown(records: Sequence[dict]) -> str:
             f"| {_num(r['ttft_ms'], '.0f')} | {tpot} "
             f"| {_num(r['drafted'], '.0%')} | {_num(r['verified'], '.1f')} "
             f"| {'-' if split is None else '{draft:.1f} / {verify:.1f} / {other:.1f}'.format(**split)} "
-            f"| {_num(r['peak_mb'], '.0f')} | {'-' if same is None else ('yes' if same else 'NO')} |")
+            f"| {_num(r['peak_mb'], '.0f')} | {_same(same, r.get('divergence_gap'))} |")
     return "\n".join(lines)
 
 

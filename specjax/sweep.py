@@ -36,7 +36,9 @@ are), ``requests``, ``prompt_tokens`` (mean), ``new_tokens`` (total), ``ttft_ms`
 ``acceptance`` (P(accepted >= k) for k = 1..D), ``drafted`` (fraction of cycles that drafted),
 ``verified`` (nodes per row and cycle), ``fallbacks``, ``split_ms`` ({draft, verify, other}
 per cycle of the whole batch), ``peak_mb``, ``same_as_plain`` (greedy cells: whether every
-row's tokens equal plain decoding's; None when sampled).
+row's tokens equal plain decoding's; None when sampled), ``divergence_gap`` (greedy cells that
+part from plain decoding: the largest top-2 logit gap at a row's first differing token,
+:func:`specjax.api.divergence`; a near-tie when small, else None).
 """
 
 from __future__ import annotations
@@ -286,6 +288,10 @@ def run(model, prompt_sets: Mapping[str, Sequence[str]], method_list: Sequence[M
                         split = dict(draft=d, verify=v,
                                      other=max(1e3 * decode_s / max(passes, 1) - d - v, 0.0))
                     greedy = t == 0
+                    gaps = [] if not greedy or m.drafter is None else [
+                        part[1] for prompt, got, want in
+                        zip([p for r in reqs for p in r], outs, plain_tokens)
+                        if (part := api.divergence(cfg, params, prompt, got, want))]
                     record = dict(
                         method=m.name, cost_aware=m.cost_aware, set=set_name, temperature=t,
                         batch=b, context=ctx_len, requests=len(reqs),
@@ -301,7 +307,8 @@ def run(model, prompt_sets: Mapping[str, Sequence[str]], method_list: Sequence[M
                         verified=None if not cycles else verified / cycles,
                         fallbacks=fallbacks, split_ms=split,
                         peak_mb=None if warm.peak_bytes is None else warm.peak_bytes / 2 ** 20,
-                        same_as_plain=(outs == plain_tokens) if greedy else None)
+                        same_as_plain=(outs == plain_tokens) if greedy else None,
+                        divergence_gap=max(gaps) if gaps else None)
                     records.append(record)
                     if on_record is not None:
                         on_record(record)

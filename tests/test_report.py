@@ -78,7 +78,7 @@ def _record(**kw):
              context=None, requests=2, prompt_tokens=40.0, new_tokens=100, ttft_ms=31.0,
              tpot_ms={"p50": 40.0, "p95": 44.0, "p99": 45.0}, tok_s=25.0, speedup=1.0, tau=1.0,
              acceptance=[], drafted=None, verified=None, fallbacks=0, split_ms=None,
-             peak_mb=600.0, same_as_plain=True)
+             peak_mb=600.0, same_as_plain=True, divergence_gap=None)
     return r | kw
 
 
@@ -86,7 +86,8 @@ RECORDS = [_record(), _record(method="ngram k=4", tok_s=30.0, speedup=1.2, tau=1
                               acceptance=[0.5, 0.3, 0.1, 0.0], drafted=1.0, verified=5.0,
                               split_ms=dict(draft=0.2, verify=50.0, other=3.0)),
            _record(set="chat", tok_s=24.0), _record(set="chat", method="ngram k=4", tok_s=12.0,
-                                                    speedup=0.5, same_as_plain=False)]
+                                                    speedup=0.5, same_as_plain=False,
+                                                    divergence_gap=0.0521)]
 
 
 def test_markdown_rows_and_the_summary_say_what_the_records_hold(tmp_path):
@@ -95,7 +96,7 @@ def test_markdown_rows_and_the_summary_say_what_the_records_hold(tmp_path):
     assert len(lines) == 2 + len(RECORDS)
     assert lines[3] == ("| code | 0 | 1 | ngram k=4 | 30.0 | 1.20x | 1.90 | 31 | 40.0 / 44.0 / "
                         "45.0 | 100% | 5.0 | 0.2 / 50.0 / 3.0 | 600 | yes |")
-    assert lines[5].endswith("| NO |")
+    assert lines[5].endswith("| NO (gap 0.052) |")
     summary = report.summary(RECORDS).splitlines()
     assert summary[3] == "| ngram k=4 | 0.85x | 0.50x (chat, T=0, batch 1) | 1.45 |"
     with_ctx = report.markdown([_record(context=1024)]).splitlines()

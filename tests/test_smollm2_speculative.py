@@ -2,24 +2,21 @@
 
 A verify pass over N tokens and N one-token steps accumulate in different orders, so a near-tie
 between the top two logits may flip an argmax. Where outputs part, the test requires the
-divergence to sit on such a near-tie (measured on the plain run's own sequence) and prints the
-rate; a divergence anywhere else fails.
+divergence to sit on such a near-tie (measured on the plain run's own sequence, in the run's
+dtype) and prints the rate; a divergence anywhere else fails. In bfloat16 the near-ties are
+wider, and divergences happen (gaps of 0.02-0.08 measured on the benchmark's prompts).
 """
 
 from __future__ import annotations
 
-import jax
-import jax.numpy as jnp
 import pytest
 
 from specjax import api
 from specjax.drafters import dflash, eagle
 from specjax.drafters.draft_model import DraftModelDrafter
 from specjax.drafters.ngram import NgramDrafter
-from specjax.models import cache as cache_lib
 from specjax.io import official
 from specjax.io.models import shipped_drafter
-from specjax.models import target
 from specjax.targets import DecoderTarget
 
 pytestmark = pytest.mark.slow
@@ -32,20 +29,15 @@ MAX_NEW = 32
 # float32 logits of magnitude ~30 reassociated over 30 layers move by ~1e-4; a flip needs the
 # top two to sit closer than that.
 NEAR_TIE = 2e-3
-
-
-def _top2_gap(model, ids):
-    n = len(ids)
-    logits, _, _ = jax.jit(target.forward, static_argnums=1)(
-        model.params, model.cfg, jnp.array([ids]), jnp.arange(n)[None],
-        cache_lib.init_cache(model.cfg, 1, n))
-    top2 = jnp.sort(logits[0, -1])[-2:]
-    return float(top2[1] - top2[0])
+# bfloat16 keeps 8 bits of mantissa: one rounding flip in the last hidden state (relative 2^-8)
+# moves logits of magnitude ~30 by ~0.1.
+NEAR_TIE_BF16 = 0.25
 
 
 DRAFTERS = ["ngram k=6", "draft-model L=2 k=3", "shipped eagle3, tree N=16",
             "shipped eagle1, tree N=16", "shipped dflash, block chain",
             "shipped dflash, ddtree N=16"]
+BF16_DRAFTERS = ["ngram k=6", "shipped eagle3, tree N=16", "shipped dflash, ddtree N=16"]
 
 
 def _drafter(model, name):
@@ -57,29 +49,31 @@ def _drafter(model, name):
         return DraftModelDrafter.from_target_layers(model.cfg, model.params, 2, draft_len=3)
     if "eagle" in name:
         method = "eagle3" if "eagle3" in name else "eagle1"
-        ecfg, own = official.load_eagle(shipped_drafter("smollm2-135m", method), model.cfg)
+        ecfg, own = official.load_eagle(shipped_drafter("smollm2-135m", method), model.cfg,
+                                         dtype=model.cfg.dtype)
         return (eagle.EagleDrafter(ecfg, tgt, eagle.DynamicTree(16, 5, 4)),
                 eagle.drafter_params(own, model.params))
-    dcfg, down = official.load_dflash(shipped_drafter("smollm2-135m", "dflash"), model.cfg)
+    dcfg, down = official.load_dflash(shipped_drafter("smollm2-135m", "dflash"), model.cfg,
+                                       dtype=model.cfg.dtype)
     drafter = (dflash.DFlashDrafter(dcfg, tgt, dflash.DDTree(16)) if "ddtree" in name
                else dflash.DFlashDrafter(dcfg, tgt))
     return drafter, dflash.drafter_params(down, model.params)
 
 
-@pytest.fixture(scope="module")
-def plain_run(smollm2):
-    """(prompt ids, generation kwargs, plain greedy result), computed once per process."""
-    tok = smollm2.tokenizer
+def _plain_run(model):
+    """(prompt ids, generation kwargs, plain greedy result) of ``model`` on ``PROMPTS``."""
+    tok = model.tokenizer
     ids = [tok.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS]
     kw = dict(max_new_tokens=MAX_NEW, stop_tokens=tok.eos_ids)
-    return ids, kw, api.generate_tokens(smollm2.cfg, smollm2.params, ids, **kw)
+    return ids, kw, api.generate_tokens(model.cfg, model.params, ids, **kw)
 
 
-@pytest.mark.parametrize("name", DRAFTERS)
-def test_speculative_greedy_equals_plain_on_smollm2(smollm2, plain_run, name):
+def _check(model, plain_run, name, near_tie):
+    """Runs drafter ``name`` greedily and requires every divergence from ``plain_run`` to sit
+    on a near-tie (top-2 gap below ``near_tie``)."""
     ids, kw, plain = plain_run
-    drafter, dp = _drafter(smollm2, name)
-    got = api.generate_tokens(smollm2.cfg, smollm2.params, ids, drafter=drafter,
+    drafter, dp = _drafter(model, name)
+    got = api.generate_tokens(model.cfg, model.params, ids, drafter=drafter,
                               drafter_params=dp, **kw)
     if not name.startswith("draft-model"):
         # Prompt lookup must be exercised (the first prompt asks for a copy), and the
@@ -87,11 +81,41 @@ def test_speculative_greedy_equals_plain_on_smollm2(smollm2, plain_run, name):
         assert got.stats.accepted.sum() > 0, name
     divergences = 0
     for row, prompt_ids in enumerate(ids):
-        a, b = got.tokens[row], plain.tokens[row]
-        if a == b:
+        part = api.divergence(model.cfg, model.params, prompt_ids, got.tokens[row],
+                              plain.tokens[row])
+        if part is None:
             continue
-        k = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
-        gap = _top2_gap(smollm2, prompt_ids + b[:k])
-        assert gap < NEAR_TIE, f"{name}, prompt {row}: diverged at {k} with gap {gap}"
+        k, gap = part
+        assert gap < near_tie, f"{name}, prompt {row}: diverged at {k} with gap {gap}"
         divergences += 1
-    print(f"{name}: near-tie divergences in {divergences} of {len(ids)} rows")
+    print(f"{name} ({model.cfg.dtype}): near-tie divergences in {divergences} of {len(ids)} rows")
+
+
+@pytest.fixture(scope="module")
+def plain_run(smollm2):
+    """The float32 plain greedy run, computed once per process."""
+    return _plain_run(smollm2)
+
+
+@pytest.fixture(scope="module")
+def smollm2_bf16(smollm2):
+    """SmolLM2-135M in bfloat16 (skipped with ``smollm2``)."""
+    from specjax.io import load
+
+    return load("smollm2-135m", dtype="bfloat16")
+
+
+@pytest.fixture(scope="module")
+def plain_run_bf16(smollm2_bf16):
+    """The bfloat16 plain greedy run, computed once per process."""
+    return _plain_run(smollm2_bf16)
+
+
+@pytest.mark.parametrize("name", DRAFTERS)
+def test_speculative_greedy_equals_plain_on_smollm2(smollm2, plain_run, name):
+    _check(smollm2, plain_run, name, NEAR_TIE)
+
+
+@pytest.mark.parametrize("name", BF16_DRAFTERS)
+def test_speculative_greedy_equals_plain_on_smollm2_bf16(smollm2_bf16, plain_run_bf16, name):
+    _check(smollm2_bf16, plain_run_bf16, name, NEAR_TIE_BF16)

@@ -19,8 +19,8 @@ from specjax.config import ModelConfig
 from specjax.drafters.base import FunctionDrafter, Proposal, chain_parents
 from specjax.drafters.draft_model import DraftModelDrafter
 from specjax.drafters.ngram import NgramDrafter
-from specjax.models import cache as cache_lib
 from specjax.models import target
+from specjax.models.cache import init_cache
 from specjax.targets import DecoderTarget
 from specjax.tree import StaticTree
 
@@ -122,16 +122,29 @@ def _ref_array(result):
 def _assert_same_or_near_tie(prompt, got, want):
     """``got == want``, or they part at a step where the target's top two logits nearly tie
     (then the rest is incomparable). Returns whether a near-tie divergence occurred."""
-    if got == want:
+    part = api.divergence(TINY, PARAMS, prompt, got, want)
+    if part is None:
         return False
-    k = next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)
-    seq = jnp.array([prompt + want[:k]])
-    logits, _, _ = target.forward(PARAMS, TINY, seq, jnp.arange(seq.shape[1])[None],
-                                  cache_lib.init_cache(TINY, 1, seq.shape[1]))
-    top2 = jnp.sort(logits[0, -1])[-2:]
-    gap = float(top2[1] - top2[0])
+    k, gap = part
     assert gap < NEAR_TIE, f"diverged at token {k} with top-2 gap {gap}: {got} vs {want}"
     return True
+
+
+def test_divergence_gives_the_first_differing_token_and_the_top2_gap_there():
+    prompt = PROMPTS[1]
+    plain = api.generate_tokens(TINY, PARAMS, [prompt], max_new_tokens=6).tokens[0]
+    assert api.divergence(TINY, PARAMS, prompt, plain, plain) is None
+    got = plain[:3] + [(plain[3] + 1) % TINY.vocab_size] + plain[4:]
+    k, gap = api.divergence(TINY, PARAMS, prompt, got, plain)
+    # One pass over the whole sequence: its logits after prompt + plain[:3].
+    seq = jnp.array([prompt + plain])
+    logits = target.forward(PARAMS, TINY, seq, jnp.arange(seq.shape[1])[None],
+                            init_cache(TINY, 1, seq.shape[1]))[0][0, len(prompt) + 2]
+    top2 = np.sort(np.asarray(logits))[-2:]
+    assert int(np.argmax(logits)) == plain[3]
+    assert k == 3 and gap == pytest.approx(top2[1] - top2[0], abs=1e-5) and gap > 0
+    # A generation that stops short parts where the shorter one ends.
+    assert api.divergence(TINY, PARAMS, prompt, plain[:4], plain)[0] == 4
 
 
 @pytest.mark.parametrize("budget", [1, 4, 16, 64])
