@@ -19,7 +19,6 @@ import numpy as np
 
 from specjax import decode, harness, sampling
 from specjax.config import ModelConfig
-from specjax.models import cache as cache_lib
 from specjax.models import target
 from specjax import targets as targets_lib
 from specjax.targets import DecoderTarget
@@ -263,14 +262,14 @@ def divergence(cfg: ModelConfig, params, prompt: Sequence[int], got: Sequence[in
     the target's two best next tokens nearly tie the argmax may flip; a divergence anywhere
     else is a bug. Returns None when the two are equal, else ``(k, gap)``: the first differing
     index and the gap between the two largest float32 logits after ``prompt + want[:k]`` (one
-    uncached forward pass; small means a near-tie).
+    prefill, :func:`specjax.models.target.prefill`; small means a near-tie).
     """
     if list(got) == list(want):
         return None
     k = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
     seq = jnp.asarray([list(prompt) + list(want[:k])], jnp.int32)
     n = seq.shape[1]
-    logits, _, _ = jax.jit(target.forward, static_argnums=1)(
-        params, cfg, seq, jnp.arange(n)[None], cache_lib.init_cache(cfg, 1, n))
-    top2 = jnp.sort(logits[0, -1].astype(jnp.float32))[-2:]
+    last, _, _ = jax.jit(target.prefill, static_argnums=(1, 4))(
+        params, cfg, seq, jnp.array([n], jnp.int32), n)
+    top2 = jnp.sort(last[0].astype(jnp.float32))[-2:]
     return k, float(top2[1] - top2[0])

@@ -9,10 +9,11 @@ Each point is measured inside one jitted loop of passes over a cache already hol
 ``context`` tokens, each pass fed the previous pass's argmax (so no pass can be hoisted or
 skipped), called with ``reps`` and with ``2 * reps`` passes: the difference of the two calls'
 times (fastest of ``trials`` each) over ``reps`` is the cost of one pass, free of what a call
-pays once (where noise makes the longer call no slower, its mean per pass is used). That once-per-call part is not small on XLA:CPU: in bfloat16 it hoists a float32
-copy of the embedding table out of the loop (the embedding lookup's residual add is computed
-in float32), which a generation pays once but a short timing loop would spread over its few
-passes (one-node bfloat16 passes then measured 32-40 ms against 22 ms per token in decoding).
+pays once (where noise makes the longer call no slower, its mean per pass is used). That
+once-per-call part is not small on XLA:CPU: in bfloat16 it hoists a float32 copy of the
+embedding table out of the loop (the embedding lookup's residual add is computed in float32),
+which a generation pays once but a short timing loop would spread over its few passes
+(one-node bfloat16 passes then measured 32-40 ms against 22 ms per token in decoding).
 """
 
 from __future__ import annotations
