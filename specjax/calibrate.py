@@ -14,6 +14,12 @@ once-per-call part is not small on XLA:CPU: in bfloat16 it hoists a float32 copy
 embedding table out of the loop (the embedding lookup's residual add is computed in float32),
 which a generation pays once but a short timing loop would spread over its few passes
 (one-node bfloat16 passes then measured 32-40 ms against 22 ms per token in decoding).
+
+A drafter's cost table is priced from the decoding loop itself (:func:`measure_loop_costs`):
+a verify pass and a ``propose`` call timed alone miss what a cycle adds around them (the
+bucket switch, the commit, the drafter's own commit, the loop's carry) and what XLA fuses or
+copies differently inside one program, so the gate's comparison of a cycle with a plain step
+is made in the units the loop pays.
 """
 
 from __future__ import annotations
@@ -39,7 +45,7 @@ from specjax.tree import StaticTree
 
 # Part of every cost table's key: raised when the measurement changes, so tables cached by an
 # earlier version are measured again.
-METHOD_VERSION = 2
+METHOD_VERSION = 3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,6 +180,139 @@ def measure_draft_cost(cfg: ModelConfig, params: dict, drafter, dparams,
     return float(best)
 
 
+def forced_budget(buckets: Sequence[int], k: int, gated: bool):
+    """A :class:`specjax.harness.Budget` over ``buckets`` under which every cycle verifies
+    bucket ``k``: that bucket priced at 1 s, the others at 1e9 s. ``gated``: a gated budget
+    whose plain step is priced so high that every drafted cycle gains, so the gate never shuts
+    on its own (the same compiled loop as any gated budget over these buckets)."""
+    from specjax import harness
+
+    cycle = tuple(1.0 if i == k else 1e9 for i in range(len(buckets)))
+    return harness.Budget(tuple(buckets), cycle, 1e9 if gated else None, 1e9 if gated else 0.0)
+
+
+def shut_gate():
+    """A draft gate (:class:`specjax.harness.Gate`) held shut: every step of a generation that
+    starts from it is a plain step, never a probe."""
+    from specjax import harness
+
+    return harness.Gate(jnp.float32(-1.0), jnp.int32(1 << 30), jnp.int32(harness.GATE_MAX_SKIP),
+                        jnp.bool_(True))
+
+
+def measure_loop_costs(cfg: ModelConfig, params: dict, drafter, dparams,
+                       buckets: Sequence[int], *, batch: int = 1, context: int = 256,
+                       tokens: int = 32, trials: int = 3, progress=None):
+    """Seconds of a drafted cycle at each budget bucket and of the plain step that replaces a
+    cycle while the draft gate is shut, timed inside the decoding loop itself.
+
+    One loop is compiled with all ``buckets`` (gated where the drafter can skip, so that the
+    program timed is the one a cost-aware generation runs). The budget's costs are traced: a
+    bucket is forced by pricing it at 1 s and the others at 1e9 s, with a plain step priced so
+    high that the gate never shuts. A generation of ``tokens`` and one of ``2 * tokens`` new
+    tokens (fastest of ``trials`` each, greedy, no stop tokens, from the same random prompts of
+    ``context - tokens`` tokens, so the longer run sits at ``context`` halfway; fewer where
+    the model's context ends sooner) give the cost
+    of a cycle as the difference of their times over the difference of their cycle counts,
+    free of what a call pays once. The plain step is timed the same way with the gate held
+    shut (the gate's plain steps and the drafter's catch-up), or for a drafter that cannot
+    skip, as plain decoding.
+
+    Args:
+      cfg, params: the target.
+      drafter, dparams: the drafter at its full size (``n_nodes`` at least the largest bucket).
+      buckets: budgets N (verify nodes, root included) to price; 0 is skipped (its cost is a
+        plain step's plus the drafting).
+      batch, context: rows and committed tokens, as the generation will run.
+      tokens, trials: the shorter run's new tokens and the timed calls per length.
+      progress: optional callable ``(stage, n, seconds)`` after each measurement (stage
+        ``"cycle"`` with the bucket, then ``"step"`` with 0).
+    Returns:
+      ``(cycle_s, step_s)``: seconds per cycle for each bucket (0.0 for bucket 0) and per
+      plain step.
+    """
+    from specjax import api
+
+    buckets = tuple(int(n) for n in buckets)
+    report = progress or (lambda *a: None)
+    rng = np.random.default_rng(0)
+    # Within the model's context, where the table's context is at its limit.
+    width = max(min(context - tokens, cfg.max_position_embeddings - 2 * tokens), 1)
+    prompts = rng.integers(0, cfg.vocab_size, (batch, width)).tolist()
+    common = dict(prompt_width=width, new_tokens_width=2 * tokens,
+                  cache_size=-(-(width + 2 * tokens + drafter.n_nodes + 1) // 64) * 64)
+    can_gate = hasattr(drafter, "skip")
+
+    def per_unit(run) -> float:
+        """Seconds per unit of ``run(n) -> (seconds, units)`` by the difference of a run of
+        ``tokens`` and one of ``2 * tokens`` new tokens (module docstring)."""
+        run(tokens)  # compiles or warms the executable
+        t1, u1 = min(run(tokens) for _ in range(trials))
+        t2, u2 = min(run(2 * tokens) for _ in range(trials))
+        # Where timing noise makes the longer run no slower, its mean per unit stands in.
+        return (t2 - t1) / (u2 - u1) if t2 > t1 and u2 > u1 else t2 / u2
+
+    cycle_s = []
+    for k, n in enumerate(buckets):
+        if n == 0:
+            cycle_s.append(0.0)
+            continue
+
+        def drafted(m, budget=forced_budget(buckets, k, can_gate)):
+            r = api.generate_tokens(cfg, params, prompts, max_new_tokens=m, drafter=drafter,
+                                    drafter_params=dparams, budget=budget, **common)
+            return r.run_s, int(r.stats.cycles.max())
+
+        cycle_s.append(per_unit(drafted))
+        report("cycle", n, cycle_s[-1])
+    if can_gate:
+        def plain(m):
+            r = api.generate_tokens(cfg, params, prompts, max_new_tokens=m, drafter=drafter,
+                                    drafter_params=dparams,
+                                    budget=forced_budget(buckets, 0, True), gate=shut_gate(),
+                                    **common)
+            return r.run_s, m
+    else:
+        def plain(m):
+            return api.generate_tokens(cfg, params, prompts, max_new_tokens=m, **common).run_s, m
+    step_s = per_unit(plain)
+    report("step", 0, step_s)
+    return tuple(cycle_s), step_s
+
+
+def loop_cost_table(cfg: ModelConfig, params: dict, drafter, dparams, buckets: Sequence[int],
+                    *, batch: int, context: int, key: dict, progress=None, tokens: int = 32,
+                    trials: int = 3):
+    """A :class:`specjax.harness.CostTable` for ``drafter`` verified at ``buckets``, priced in
+    the decoding loop (:func:`measure_loop_costs`): the draft cost is one ``propose`` call
+    timed alone (:func:`measure_draft_cost`, what deciding to draft at all is about), the
+    verify cost of a bucket the rest of its cycle, and bucket 0 the plain step.
+
+    Args:
+      key: the table's full key (:meth:`specjax.harness.CostTable.matches`).
+      progress: optional callable ``(stage, n, seconds)`` after each measurement (``"draft"``,
+        then :func:`measure_loop_costs`'s).
+      tokens, trials: the loop timing's (:func:`measure_loop_costs`).
+    """
+    from specjax import harness
+
+    report = progress or (lambda *a: None)
+    rng = np.random.default_rng(0)
+    prompts = rng.integers(0, cfg.vocab_size, (batch, context)).tolist()
+    slots = -(-(context + 2 * drafter.n_nodes + 2) // 64) * 64  # room for a cycle
+    draft = measure_draft_cost(cfg, params, drafter, dparams, prompts, slots, width=context)
+    report("draft", drafter.n_nodes, draft)
+    cycles, step = measure_loop_costs(cfg, params, drafter, dparams, buckets, batch=batch,
+                                      context=context, tokens=tokens, trials=trials,
+                                      progress=report)
+    # A cycle is never cheaper than its drafting: where noise says so, the drafting is its
+    # whole cost but a sliver.
+    verify = tuple(step if n == 0 else max(c - draft, 1e-3 * c)
+                   for n, c in zip(buckets, cycles))
+    return harness.CostTable(tuple(buckets), verify,
+                             tuple(0.0 if n == 0 else draft for n in buckets), key)
+
+
 def measure_cost_table(cfg: ModelConfig, params: dict, buckets: Sequence[int], drafter_at=None,
                        *, batch: int = 1, context: int = 256, key: dict | None = None,
                        progress=None):
@@ -182,7 +321,9 @@ def measure_cost_table(cfg: ModelConfig, params: dict, buckets: Sequence[int], d
     Args:
       buckets: budgets N (0 = a plain step).
       drafter_at: ``drafter_at(n) -> (drafter, drafter params)`` sized to a budget of n nodes;
-        None: draft costs 0 (a drafter whose cost is negligible or measured elsewhere).
+        the drafter at the largest bucket is priced in the loop (:func:`loop_cost_table`), as
+        a cost-aware generation runs it. None: the verify passes alone
+        (:func:`measure_verify_costs`) and no draft cost.
       batch, context: rows per pass and committed tokens, as the generation will run.
       key: what the table is for (model, method, ...); the device kind and dtype, batch and
         context are added.
@@ -191,26 +332,18 @@ def measure_cost_table(cfg: ModelConfig, params: dict, buckets: Sequence[int], d
     from specjax import harness
 
     buckets = tuple(sorted(set(int(n) for n in buckets)))
+    full_key = dict(key or {}, device=jax.devices()[0].device_kind, dtype=cfg.dtype,
+                    batch=batch, context=context, method_version=METHOD_VERSION)
+    if drafter_at is not None:
+        drafter, dparams = drafter_at(buckets[-1])
+        return loop_cost_table(cfg, params, drafter, dparams, buckets, batch=batch,
+                               context=context, key=full_key, progress=progress)
     report = progress or (lambda *a: None)
     costs = measure_verify_costs(cfg, params, sorted({1, *(n for n in buckets if n)}),
                                  context=context, batch=batch,
                                  progress=lambda n, s: report("verify", n, s))
-    rng = np.random.default_rng(0)
-    prompts = rng.integers(0, cfg.vocab_size, (batch, context)).tolist()
-    verify, draft = [], []
-    for n in buckets:
-        verify.append(costs.plain_step if n == 0 else costs.at(n))
-        if n == 0 or drafter_at is None:
-            draft.append(0.0)
-            continue
-        drafter, dparams = drafter_at(n)
-        cache = -(-(context + 2 * drafter.n_nodes + 2) // 64) * 64  # room for a cycle
-        draft.append(measure_draft_cost(cfg, params, drafter, dparams, prompts, cache,
-                                        width=context))
-        report("draft", n, draft[-1])
-    full_key = dict(key or {}, device=jax.devices()[0].device_kind, dtype=cfg.dtype,
-                    batch=batch, context=context, method_version=METHOD_VERSION)
-    return harness.CostTable(buckets, tuple(verify), tuple(draft), full_key)
+    return harness.CostTable(buckets, tuple(costs.plain_step if n == 0 else costs.at(n)
+                                            for n in buckets), (0.0,) * len(buckets), full_key)
 
 
 def budget_buckets(n_nodes: int) -> tuple[int, ...]:
@@ -227,8 +360,7 @@ def cost_context(prompt_tokens: int, max_new_tokens: int) -> int:
 
 
 def drafter_cost_table(cfg: ModelConfig, params: dict, drafter, dparams, *, batch: int,
-                       context: int, key: dict, path: Path | None = None, progress=None,
-                       verify_costs: VerifyCosts | None = None):
+                       context: int, key: dict, path: Path | None = None, progress=None):
     """The cost table of ``drafter`` as it stands (sized once; the loop verifies the first
     ``budget_buckets(drafter.n_nodes)`` of its nodes), read from ``path`` when that file was
     measured for the same key, else measured and written there.
@@ -238,10 +370,8 @@ def drafter_cost_table(cfg: ModelConfig, params: dict, drafter, dparams, *, batc
         the device kind, dtype, batch, context and buckets are added.
       path: the JSON file (default: ``costs/`` under specjax's cache root,
         :func:`specjax.io.gguf.cache_dir`, named by the key's hash).
-      progress: optional callable ``(stage, n, seconds)`` after each measurement; with a
-        table read from disk it is never called.
-      verify_costs: a verify curve already measured at this batch and context (interpolated
-        between its points); None measures one at the buckets.
+      progress: optional callable ``(stage, n, seconds)`` after each measurement
+        (:func:`loop_cost_table`); with a table read from disk it is never called.
     Returns:
       ``(table, measured)``: a :class:`specjax.harness.CostTable` and whether it was measured
       now.
@@ -261,18 +391,8 @@ def drafter_cost_table(cfg: ModelConfig, params: dict, drafter, dparams, *, batc
             table = None  # unreadable: measured again and rewritten
         if table is not None and table.matches(full_key):
             return table, False
-    report = progress or (lambda *a: None)
-    costs = verify_costs or measure_verify_costs(
-        cfg, params, sorted({1, *(n for n in buckets if n)}), context=context, batch=batch,
-        progress=lambda n, s: report("verify", n, s))
-    rng = np.random.default_rng(0)
-    prompts = rng.integers(0, cfg.vocab_size, (batch, context)).tolist()
-    slots = -(-(context + 2 * drafter.n_nodes + 2) // 64) * 64  # room for a cycle
-    draft = measure_draft_cost(cfg, params, drafter, dparams, prompts, slots, width=context)
-    report("draft", drafter.n_nodes, draft)
-    table = harness.CostTable(
-        buckets, tuple(costs.plain_step if n == 0 else costs.at(n) for n in buckets),
-        tuple(0.0 if n == 0 else draft for n in buckets), full_key)
+    table = loop_cost_table(cfg, params, drafter, dparams, buckets, batch=batch,
+                            context=context, key=full_key, progress=progress)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(table.to_json())

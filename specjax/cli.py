@@ -201,8 +201,10 @@ def _calibrate(args) -> int:
             return 0
     model = load(args.model, dtype=args.dtype)
     drafter_at = budget_drafter(args, model.cfg, model.params)
-    steps = len({1, *(n for n in buckets if n)}) + (sum(n > 0 for n in buckets)
-                                                    if drafter_at else 0)
+    # Priced in the loop: the drafting, each bucket's cycle and the plain step; without a
+    # drafter, the verify passes.
+    steps = (sum(n > 0 for n in buckets) + 2 if drafter_at else
+             len({1, *(n for n in buckets if n)}))
     with tqdm(total=steps, unit="point", desc=f"calibrate {args.method}") as bar:
         def progress(stage, n, seconds):
             bar.set_postfix_str(f"{stage} N={n}: {seconds * 1e3:.1f} ms")
@@ -233,11 +235,13 @@ def _add_calibrate(sub):
     p = sub.add_parser(
         "calibrate",
         help="measure verify and draft costs per budget into a JSON table",
-        description="Measure, on this machine, the verify pass T_verify(N) and the drafter's "
-                    "time per cycle at each budget bucket N (0 = a plain step) into a cost "
-                    "table (JSON), reused while machine, model, dtype, batch and context stay "
-                    "the same. The break-even tau of a bucket is its cycle time in plain steps: "
-                    "a drafter must average more tokens per cycle than that to pay.",
+        description="Measure, on this machine, what a cycle costs at each budget bucket N "
+                    "(0 = a plain step) into a cost table (JSON), reused while machine, model, "
+                    "dtype, batch and context stay the same. With a drafter the cycles are "
+                    "timed inside the decoding loop (verify = the cycle less the drafting); "
+                    "with --method plain, the verify passes T_verify(N) alone. The break-even "
+                    "tau of a bucket is its cycle time in plain steps: a drafter must average "
+                    "more tokens per cycle than that to pay.",
     )
     p.add_argument("--model", default="smollm2-135m",
                    help="a known model name, an HF checkpoint directory, or a .gguf file "
@@ -332,7 +336,7 @@ def _cost_aware_budget(args, model, drafter, drafter_params, prompt_tokens: int,
     def progress(stage, n, seconds):
         nonlocal bar
         if bar is None:
-            bar = tqdm(total=len({1, *buckets[1:]}) + 1, unit="point",
+            bar = tqdm(total=len(buckets[1:]) + 2, unit="point",
                        desc="measuring costs (once per machine and setting)", file=sys.stderr)
         bar.set_postfix_str(f"{stage} N={n}: {seconds * 1e3:.1f} ms")
         bar.update()

@@ -1,11 +1,13 @@
-"""Verify-cost calibration returns one positive time per requested node count."""
+"""Calibration: verify costs per node count, and cycle costs priced inside the decoding loop
+(the budgets that force a bucket or hold the gate shut, and the measurement built on them)."""
 
 from __future__ import annotations
 
 import pytest
 
-from specjax import calibrate
+from specjax import api, calibrate
 from specjax.config import ModelConfig
+from specjax.drafters.draft_model import DraftModelDrafter
 from specjax.models import target
 
 TINY = ModelConfig(arch="llama", vocab_size=61, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
@@ -21,3 +23,42 @@ def test_measure_verify_costs_shape_and_interpolation():
     assert all(s > 0 for s in costs.seconds)
     assert costs.at(3) == pytest.approx((costs.seconds[1] + costs.seconds[2]) / 2)
     assert costs.plain_step == costs.seconds[0]
+
+
+PARAMS = target.init_params(TINY, 0)
+DRAFTER = DraftModelDrafter.from_target_layers(TINY, PARAMS, 1, draft_len=7)
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_a_forced_budget_verifies_its_bucket_every_cycle(k):
+    """What the loop pricing relies on: under ``forced_budget(buckets, k)`` every drafted cycle
+    verifies exactly ``buckets[k]`` nodes, and the gate stays open (every cycle drafts)."""
+    buckets = (0, 2, 4, 8)
+    r = api.generate_tokens(TINY, PARAMS, [[3, 5, 7, 9]], max_new_tokens=12, drafter=DRAFTER[0],
+                            drafter_params=DRAFTER[1],
+                            budget=calibrate.forced_budget(buckets, k, True))
+    st = r.stats
+    assert int(st.cycles[0]) > 1 and int(st.drafted[0]) == int(st.cycles[0])
+    assert int(st.verified[0]) == buckets[k] * int(st.cycles[0])
+
+
+def test_a_shut_gate_runs_plain_steps_only_and_stays_lossless():
+    plain = api.generate_tokens(TINY, PARAMS, [[3, 5, 7, 9]], max_new_tokens=12)
+    r = api.generate_tokens(TINY, PARAMS, [[3, 5, 7, 9]], max_new_tokens=12, drafter=DRAFTER[0],
+                            drafter_params=DRAFTER[1],
+                            budget=calibrate.forced_budget((0, 2, 4, 8), 3, True),
+                            gate=calibrate.shut_gate())
+    assert int(r.stats.drafted[0]) == 0 and r.tokens == plain.tokens
+
+
+def test_loop_costs_price_each_bucket_and_the_plain_step():
+    """The drafting timed alone, each bucket's cycle and the plain step in the loop; verify is
+    the cycle less the drafting, bucket 0 the plain step."""
+    seen = []
+    table = calibrate.loop_cost_table(TINY, PARAMS, *DRAFTER, (0, 2, 8), batch=1, context=24,
+                                      key={"what": "test"}, tokens=4, trials=1,
+                                      progress=lambda stage, n, s: seen.append((stage, n)))
+    assert seen == [("draft", 8), ("cycle", 2), ("cycle", 8), ("step", 0)]
+    assert table.buckets == (0, 2, 8) and table.draft_s[0] == 0 and table.draft_s[1] > 0
+    assert table.draft_s[1] == table.draft_s[2] and min(table.verify_s) > 0
+    assert table.key == {"what": "test"}
