@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from specjax.config import ModelConfig
-from specjax.io.layout import with_row_weights, without_row_weights
+from specjax.io.layout import with_row_weights, with_tied_head, without_row_weights
 from specjax.models import cache as cache_lib
 from specjax.models import target
 from specjax.targets import DecoderTarget
@@ -248,6 +248,46 @@ def test_one_row_step_never_copies_a_weight(row_weights):
         if match and np.prod([int(d) for d in match.group(1).split(",") if d]) >= smallest:
             copies.append(line.strip())
     assert copies == []
+
+
+def _whole_table_copies(params, cfg) -> list[str]:
+    """HLO lines of a compiled loop of 4-row bfloat16 passes that copy, transpose or convert a
+    whole [V, D] or [D, V] table."""
+    cache = cache_lib.init_cache(cfg, 1, 16)
+
+    def passes(p, tok, c):
+        def body(_, t):
+            positions = c.lengths[:, None] + jnp.arange(4)[None]
+            return jnp.argmax(target.forward(p, cfg, t, positions, c)[0], -1).astype(jnp.int32)
+        return jax.lax.fori_loop(0, 3, body, tok)
+
+    hlo = jax.jit(passes).lower(params, jnp.zeros((1, 4), jnp.int32), cache).compile().as_text()
+    v, d = cfg.vocab_size, cfg.d_model
+    table = rf"= (f32|bf16)\[({v},{d}|{d},{v})\]\{{[\d,]*\}} (copy|transpose|convert|fusion)\("
+    return [line.strip() for line in hlo.splitlines() if re.search(table, line)]
+
+
+def test_tied_head_copy_spares_the_table_transpose_of_several_row_passes():
+    """A bfloat16 pass of several rows through a tied head made XLA:CPU transpose the whole
+    embedding table (inside a speculative cycle, on every cycle); with the tied head's copy
+    it multiplies in place, and the bfloat16 embedding gather converts no table to float32.
+    The copy changes the logits only by summation order; check_params accepts it on a tied
+    model only."""
+    cfg = TINY.replace(tie_embeddings=True, dtype="bfloat16")
+    params = jax.tree.map(lambda x: x.astype(jnp.bfloat16),
+                          target.init_params(cfg.replace(dtype="float32"), 0, scale=0.3))
+    tied = with_tied_head(params)
+    check_params(tied, cfg)
+    assert without_row_weights(tied).keys() == params.keys()
+    assert _whole_table_copies(params, cfg) != []  # what the copy is for
+    assert _whole_table_copies(tied, cfg) == []
+    tokens = jax.random.randint(jax.random.key(2), (2, 5), 0, cfg.vocab_size)
+    cache = cache_lib.init_cache(cfg, 2, 8)
+    logits = [forward(p, cfg, tokens, _positions(2, 5), cache)[0] for p in (params, tied)]
+    np.testing.assert_allclose(logits[0], logits[1], atol=1e-2, rtol=0)
+    untied = TINY.replace(dtype="bfloat16")
+    with pytest.raises(ValueError, match="tied_head: cfg.tie_embeddings is False"):
+        check_params(dict(target.init_params(TINY, 0), tied_head=tied["tied_head"]), untied)
 
 
 def _dot_rows(jaxpr) -> list[tuple[str, int]]:

@@ -21,7 +21,7 @@ import jax
 from specjax.config import ModelConfig
 from specjax.io.gguf import load_gguf_with_tokenizer
 from specjax.io.hf import load_hf
-from specjax.io.layout import with_row_weights
+from specjax.io.layout import with_row_weights, with_tied_head
 from specjax.io.tokenizer import Tokenizer
 
 
@@ -54,8 +54,8 @@ class LoadedModel:
 
     Attributes:
       cfg: its configuration (``cfg.dtype`` as requested).
-      params: the params pytree (layout in ``specjax.models.target``; with the one-row copies
-        of :mod:`specjax.io.layout` when loaded with ``row_weights``).
+      params: the params pytree (layout in ``specjax.models.target``; with the layout copies
+        of :mod:`specjax.io.layout` when loaded with ``row_weights`` or ``tied_head``).
       tokenizer: its tokenizer, or None for an HF directory without tokenizer files.
     """
 
@@ -118,7 +118,7 @@ def _hf_tokenizer(path: Path) -> Tokenizer | None:
 
 
 def load(name_or_path: str | Path, dtype: str = "float32",
-         row_weights: bool | None = None) -> LoadedModel:
+         row_weights: bool | None = None, tied_head: bool | None = None) -> LoadedModel:
     """Load a model by name or path (see the module docstring).
 
     Args:
@@ -127,6 +127,10 @@ def load(name_or_path: str | Path, dtype: str = "float32",
       row_weights: add the one-row weight copies (:mod:`specjax.io.layout`) that make float32
         plain decoding faster on XLA:CPU, at the cost of a second copy of every layer matrix;
         None (the default) adds them for float32 on the CPU backend only.
+      tied_head: add the tied head's copy (:func:`specjax.io.layout.with_tied_head`) that
+        spares XLA:CPU a transpose of the embedding table in every speculative cycle, at the
+        cost of a second copy of the table; None (the default) adds it for a tied bfloat16
+        model on the CPU backend (in float32 XLA:CPU multiplies by the table in place).
 
     Raises:
       ValueError: unknown name or unusable path; a tokenizer with more tokens than the model's
@@ -150,6 +154,11 @@ def load(name_or_path: str | Path, dtype: str = "float32",
         row_weights = cfg.dtype == "float32" and jax.default_backend() == "cpu"
     if row_weights:
         params = with_row_weights(params)
+    if tied_head is None:
+        tied_head = (cfg.tie_embeddings and cfg.dtype == "bfloat16"
+                     and jax.default_backend() == "cpu")
+    if tied_head:
+        params = with_tied_head(params)
     return LoadedModel(cfg, params, tokenizer)
 
 

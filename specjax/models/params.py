@@ -41,6 +41,10 @@ the same as with plain 2-D fused matrices.
 in :data:`ROW_WEIGHTS`, and the params an untied ``"lm_head_t"``: the same array with its input
 axis moved last (``wqkv_t`` [K, G + 2, H, D], ``wo_t`` [D, N * H], ``w_gate_up_t`` [2, F, D],
 ``w_down_t`` [D, F], ``lm_head_t`` [V, D]). ``abstract(cfg, row_weights=True)`` describes them.
+
+**The tied head's copy**: tied params may also hold ``"tied_head"`` [D, V] (embed, vocab), the
+embedding table transposed, which passes of several rows multiply by (the untied head's
+layout); ``abstract(cfg, tied_head=True)`` describes it.
 """
 
 from __future__ import annotations
@@ -93,12 +97,13 @@ class ParamSpec:
                                    axes=self.axes[1:] + self.axes[:1])
 
 
-def abstract(cfg: ModelConfig, row_weights: bool = False) -> dict:
+def abstract(cfg: ModelConfig, row_weights: bool = False, tied_head: bool = False) -> dict:
     """The params pytree of ``cfg`` with a :class:`ParamSpec` at every leaf (module docstring).
 
     Args:
       cfg: the model config.
       row_weights: also describe the one-row copies of :mod:`specjax.io.layout`.
+      tied_head: also describe the tied head's copy (a tied ``cfg`` only).
     Returns:
       ``{"embed", "layers": (per-layer dict, ...), "final_norm"[, "lm_head"]}``, the layout of
       the module docstring, keys in its order.
@@ -135,6 +140,8 @@ def abstract(cfg: ModelConfig, row_weights: bool = False) -> dict:
         params["lm_head"] = matrix((d, v), "embed", "vocab")
         if row_weights:
             params["lm_head_t"] = params["lm_head"].row_copy()
+    elif tied_head:
+        params["tied_head"] = matrix((d, v), "embed", "vocab")
     return params
 
 
@@ -167,7 +174,7 @@ def _mesh_axes(rules: Mapping[str, MeshAxes], spec: ParamSpec, name: str) -> Par
 
 
 def partition_specs(cfg: ModelConfig, rules: Mapping[str, MeshAxes],
-                    row_weights: bool = False) -> dict:
+                    row_weights: bool = False, tied_head: bool = False) -> dict:
     """``jax.sharding.PartitionSpec`` for every leaf of :func:`abstract`.
 
     Args:
@@ -176,7 +183,7 @@ def partition_specs(cfg: ModelConfig, rules: Mapping[str, MeshAxes],
         named are replicated. E.g. ``{"kv_heads": "model", "q_heads": "model", "mlp":
         "model"}`` is tensor parallelism over a ``"model"`` mesh axis whose size divides K, N
         and F. A dimension sharded over mesh axes of total size M must be divisible by M.
-      row_weights: also cover the one-row copies.
+      row_weights, tied_head: also cover the one-row copies, the tied head's copy.
     Returns:
       The params pytree with a ``PartitionSpec`` at every leaf, e.g. ``P(None, "model", None,
       None)`` for ``wqkv`` under the rules above.
@@ -188,18 +195,21 @@ def partition_specs(cfg: ModelConfig, rules: Mapping[str, MeshAxes],
     if unknown:
         raise ValueError(f"rules name unknown logical axes {unknown}; known: {AXES}")
     return jax.tree_util.tree_map_with_path(
-        lambda path, spec: _mesh_axes(rules, spec, _dotted(path)), abstract(cfg, row_weights))
+        lambda path, spec: _mesh_axes(rules, spec, _dotted(path)),
+        abstract(cfg, row_weights, tied_head))
 
 
 def shape_dtype_structs(cfg: ModelConfig, row_weights: bool = False, mesh: Mesh | None = None,
-                        rules: Mapping[str, MeshAxes] | None = None) -> dict:
+                        rules: Mapping[str, MeshAxes] | None = None,
+                        tied_head: bool = False) -> dict:
     """The params pytree as ``jax.ShapeDtypeStruct`` leaves, e.g. for ``jax.eval_shape`` or as
     an Orbax restore target; with ``mesh``, each carries ``NamedSharding(mesh, spec)`` for the
-    spec :func:`partition_specs` gives under ``rules``."""
-    structs = abstract(cfg, row_weights)
+    spec :func:`partition_specs` gives under ``rules``; ``row_weights`` and ``tied_head`` as
+    in :func:`abstract`."""
+    structs = abstract(cfg, row_weights, tied_head)
     if mesh is None:
         return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype), structs)
-    specs = partition_specs(cfg, rules or {}, row_weights)
+    specs = partition_specs(cfg, rules or {}, row_weights, tied_head)
     return jax.tree.map(
         lambda s, p: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=NamedSharding(mesh, p)),
         structs, specs)
@@ -255,7 +265,7 @@ def check(params: Mapping[str, Any], cfg: ModelConfig) -> None:
     """Raise ValueError unless ``params`` has exactly the leaves, shapes and dtype of ``cfg``.
 
     Leaves only need ``.shape`` and ``.dtype``, so ``jax.ShapeDtypeStruct`` trees pass too. The
-    one-row copies may be present, all of them or none. Messages name the leaf, e.g.
+    one-row copies may be present, all of them or none, and so may the tied head's copy. Messages name the leaf, e.g.
     ``"layers.3.wqkv has shape (64, 100), expected (64, 2, 4, 16)"``; every loader ends with this
     check, so a checkpoint that disagrees with its own config fails at load time, not deep inside
     a jitted forward pass with an einsum shape error.
@@ -268,7 +278,7 @@ def check(params: Mapping[str, Any], cfg: ModelConfig) -> None:
             )
     flat = flatten(params)
     row_weights = any(name.endswith("_t") for name in flat)
-    expected = flatten(abstract(cfg, row_weights))
+    expected = flatten(abstract(cfg, row_weights, tied_head="tied_head" in flat))
     for name, spec in expected.items():
         if name not in flat:
             raise ValueError(f"missing tensor {name} (expected shape {spec.shape})")
@@ -277,6 +287,8 @@ def check(params: Mapping[str, Any], cfg: ModelConfig) -> None:
             key = name.rsplit(".", 1)[-1]
             if key in ("lm_head", "lm_head_t") and cfg.tie_embeddings:
                 why = "cfg.tie_embeddings is True, so the LM head must be absent"
+            elif key == "tied_head":
+                why = "cfg.tie_embeddings is False: an untied head has no tied copy"
             elif key in ("q_norm", "k_norm") and not cfg.qk_norm:
                 why = f"arch {cfg.arch!r} has no q/k norm"
             else:

@@ -29,7 +29,8 @@ multiplies by those: XLA:CPU's matrix-vector product streams ``[out, in]`` weigh
 than ``[in, out]`` ones, while with two or more rows ``[in, out]`` is faster (measured
 side by side, see the README's performance notes). :func:`specjax.io.layout.with_row_weights`
 adds them (``specjax.io.load`` does for float32 on CPU); the result differs from the
-``[in, out]`` product only by summation order.
+``[in, out]`` product only by summation order. Tied params may likewise hold ``"tied_head"``
+[D, V], the embedding table transposed, for passes of several rows (:func:`lm_head`).
 
 **Masks.** Every call writes its T new tokens at slots ``[lengths, lengths + T)`` of each row's
 cache. A query sees (a) all committed slots ``< lengths[b]`` and (b) among the new tokens, those
@@ -155,8 +156,16 @@ def _decoder(params, cfg, tokens, positions, cache, mask, taps, fresh):
 
 
 def embed(params: dict, tokens: jax.Array) -> jax.Array:
-    """Token embeddings [..., D] of ``tokens`` [...] (the residual stream's start, tap 0)."""
-    return params["embed"][tokens]
+    """Token embeddings [..., D] of ``tokens`` [...] (the residual stream's start, tap 0).
+
+    A bfloat16 table is gathered through its bit pattern (uint16): XLA:CPU runs a bfloat16
+    gather in float32 and hoists the conversion of the whole table out of the decoding loop,
+    one float32 copy per call and loop (some 60 ms each for SmolLM2-135M)."""
+    table = params["embed"]
+    if table.dtype != jnp.bfloat16:
+        return table[tokens]
+    bits = jax.lax.bitcast_convert_type(table, jnp.uint16)
+    return jax.lax.bitcast_convert_type(bits[tokens], jnp.bfloat16)
 
 
 def final_norm(params: dict, cfg: ModelConfig, x: jax.Array) -> jax.Array:
@@ -198,8 +207,10 @@ def lm_head(params: dict, cfg: ModelConfig, hidden: jax.Array,
             vocab_ids: jax.Array | None = None) -> jax.Array:
     """Float32 logits [..., V] from final hidden states [..., D].
 
-    A tied head multiplies by ``embed`` [V, D]; an untied one by ``lm_head`` [D, V], or by
-    its one-row copy ``lm_head_t`` [V, D] for a single row. With ``vocab_ids`` [V'] (a reduced
+    A tied head multiplies by ``embed`` [V, D], or by its copy ``tied_head`` [D, V] where the
+    params hold one (:func:`specjax.io.layout.with_tied_head`), except for a single float32
+    row (a single bfloat16 row runs as two, :func:`specjax.models.layers.matmul`); an untied
+    one by ``lm_head`` [D, V], or by its one-row copy ``lm_head_t`` [V, D] for a single row. With ``vocab_ids`` [V'] (a reduced
     draft vocabulary, say) only those rows of the head are gathered and the logits are
     [..., V'], in the order of ``vocab_ids``.
     """
@@ -207,6 +218,9 @@ def lm_head(params: dict, cfg: ModelConfig, hidden: jax.Array,
         w = (params["embed"] if cfg.tie_embeddings else params["lm_head"].T)[vocab_ids]  # [V', D]
         return layers.matmul(hidden, w, "...d,vd->...v")
     if cfg.tie_embeddings:
+        one_f32_row = np.prod(hidden.shape[:-1]) == 1 and hidden.dtype != jnp.bfloat16
+        if "tied_head" in params and not one_f32_row:
+            return layers.matmul(hidden, params["tied_head"], "...d,dv->...v")
         return layers.matmul(hidden, params["embed"], "...d,vd->...v")
     if np.prod(hidden.shape[:-1]) == 1 and "lm_head_t" in params:
         return layers.matmul(hidden, params["lm_head_t"], "...d,vd->...v")
