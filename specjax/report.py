@@ -37,9 +37,17 @@ def _same(same: bool | None, gap: float | None) -> str:
     return "yes" if same else ("NO" if gap is None else f"NO (gap {gap:.3f})")
 
 
+def _speedup(r: dict) -> str:
+    """The cell's speedup, and the range of its repeats' where it has several."""
+    runs = r.get("speedup_runs") or []
+    spread = f" ({min(runs):.2f}-{max(runs):.2f})" if len(runs) > 1 else ""
+    return f"{r['speedup']:.2f}x{spread}"
+
+
 def markdown(records: Sequence[dict]) -> str:
     """A markdown table, one row per record, grouped by (set, temperature, batch, context) as
-    run; the context column appears when some record has one."""
+    run; the context column appears when some record has one. The speedup column adds the
+    range over the cell's repeats (``speedup_runs``) where there are several."""
     ctx = any(r.get("context") for r in records)
     head = ("| set | T | batch |" + (" context |" if ctx else "")
             + " method | tok/s | speedup | τ | TTFT ms | TPOT ms p50 / p95 / p99 | drafted "
@@ -53,7 +61,7 @@ def markdown(records: Sequence[dict]) -> str:
         lines.append(
             f"| {r['set']} | {r['temperature']:g} | {r['batch']} "
             + (f"| {r.get('context') or '-'} " if ctx else "") + f"| {r['method']} "
-            f"| {r['tok_s']:.1f} | {r['speedup']:.2f}x | {r['tau']:.2f} "
+            f"| {r['tok_s']:.1f} | {_speedup(r)} | {r['tau']:.2f} "
             f"| {_num(r['ttft_ms'], '.0f')} | {tpot} "
             f"| {_num(r['drafted'], '.0%')} | {_num(r['verified'], '.1f')} "
             f"| {'-' if split is None else '{draft:.1f} / {verify:.1f} / {other:.1f}'.format(**split)} "

@@ -12,7 +12,8 @@ group: its record, and the tokens greedy cells are compared with. Every other ce
 decoding again on each of its requests, run by run alternating with its own runs (the faster
 of each kept), and its ``speedup`` is its tokens per second over that paired plain rate
 (``plain_tok_s``). On a shared machine whose speed drifts over a sweep, each ratio then comes
-from runs seconds apart rather than minutes.
+from runs seconds apart rather than minutes. ``speedup_runs`` gives the spread: the speedup of
+each repeat alone (its runs over the plain runs beside them, all requests summed).
 
 Executables are shared: prompts are padded to a coarse width (``WIDTH_BUCKET``) and the
 one-token runs reuse the whole generation's executable (token limits are traced), so each
@@ -32,7 +33,8 @@ XLA's figure for the compiled generation call.
 Record fields (the latency ones None with ``run(latency=False)``): ``method``,
 ``cost_aware``, ``set``, ``temperature``, ``batch``, ``context`` (None: the prompts as they
 are), ``requests``, ``prompt_tokens`` (mean), ``new_tokens`` (total), ``ttft_ms`` (p50),
-``tpot_ms`` ({p50, p95, p99}), ``tok_s``, ``plain_tok_s``, ``speedup``, ``tau``,
+``tpot_ms`` ({p50, p95, p99}), ``tok_s``, ``plain_tok_s``, ``speedup``, ``speedup_runs``
+(one per repeat; None for plain decoding), ``tau``,
 ``acceptance`` (P(accepted >= k) for k = 1..D), ``drafted`` (fraction of cycles that drafted),
 ``verified`` (nodes per row and cycle), ``fallbacks``, ``split_ms`` ({draft, verify, other}
 per cycle of the whole batch), ``peak_mb``, ``same_as_plain`` (greedy cells: whether every
@@ -242,13 +244,17 @@ def run(model, prompt_sets: Mapping[str, Sequence[str]], method_list: Sequence[M
                     hist, cycles, drafted, verified, fallbacks = None, 0, 0, 0, 0
                     passes = 0  # the batch's cycles: the longest-running row took part in all
                     paired_s, paired_tokens = 0.0, 0
+                    # [repeat, (seconds, tokens) of the method, then of plain beside it]
+                    by_repeat = np.zeros((repeats, 4))
                     for req in reqs:
                         runs, bases = [], []
-                        for _ in range(repeats):
+                        for i in range(repeats):
                             if m.drafter is not None:
                                 bases.append(api.generate_tokens(
                                     cfg, params, req, max_new_tokens=max_new_tokens, **plain_kw))
+                                by_repeat[i, 2:] += bases[-1].run_s, bases[-1].n_tokens
                             runs.append(call(req, max_new_tokens))
+                            by_repeat[i, :2] += runs[-1].run_s, runs[-1].n_tokens
                         full = min(runs, key=lambda r: r.run_s)
                         if bases:
                             base = min(bases, key=lambda r: r.run_s)
@@ -300,6 +306,9 @@ def run(model, prompt_sets: Mapping[str, Sequence[str]], method_list: Sequence[M
                         tpot_ms={f"p{q:g}": 1e3 * v for q, v in
                                  metrics.percentiles(tpot).items()} if latency else None,
                         tok_s=rate, plain_tok_s=plain_rate, speedup=rate / plain_rate,
+                        speedup_runs=None if m.drafter is None else [
+                            float(tok / sec / (base_tok / base_sec))
+                            for sec, tok, base_sec, base_tok in by_repeat],
                         tau=1.0 if hist is None else metrics.tau(hist),
                         acceptance=[] if hist is None else metrics.acceptance_by_position(hist),
                         drafted=None if not cycles else drafted / cycles,

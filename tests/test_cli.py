@@ -307,6 +307,11 @@ def test_bench_pairs_each_cell_with_plain_runs(cli_model, tmp_path, capsys, monk
     paired = min((r for m, n, r in calls[-6:-2] if m == "plain"), key=lambda r: r.run_s)
     assert ngram["plain_tok_s"] == pytest.approx(paired.n_tokens / paired.run_s)
     assert ngram["speedup"] == pytest.approx(ngram["tok_s"] / ngram["plain_tok_s"])
+    # Each repeat's own speedup: its n-gram run over the plain run beside it.
+    pairs = [(calls[-6 + 2 * i][2], calls[-5 + 2 * i][2]) for i in range(2)]
+    assert plain["speedup_runs"] is None
+    assert ngram["speedup_runs"] == pytest.approx(
+        [(g.n_tokens / g.run_s) / (b.n_tokens / b.run_s) for b, g in pairs])
 
 
 def test_bench_keeps_the_cells_measured_before_a_failure(cli_model, tmp_path, capsys,

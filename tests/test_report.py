@@ -83,6 +83,7 @@ def _record(**kw):
 
 
 RECORDS = [_record(), _record(method="ngram k=4", tok_s=30.0, speedup=1.2, tau=1.9,
+                              speedup_runs=[1.25, 1.08],
                               acceptance=[0.5, 0.3, 0.1, 0.0], drafted=1.0, verified=5.0,
                               split_ms=dict(draft=0.2, verify=50.0, other=3.0)),
            _record(set="chat", tok_s=24.0), _record(set="chat", method="ngram k=4", tok_s=12.0,
@@ -94,8 +95,9 @@ def test_markdown_rows_and_the_summary_say_what_the_records_hold(tmp_path):
     lines = report.markdown(RECORDS).splitlines()
     assert lines[0].startswith("| set | T | batch | method | tok/s | speedup | τ |")
     assert len(lines) == 2 + len(RECORDS)
-    assert lines[3] == ("| code | 0 | 1 | ngram k=4 | 30.0 | 1.20x | 1.90 | 31 | 40.0 / 44.0 / "
-                        "45.0 | 100% | 5.0 | 0.2 / 50.0 / 3.0 | 600 | yes |")
+    assert lines[3] == ("| code | 0 | 1 | ngram k=4 | 30.0 | 1.20x (1.08-1.25) | 1.90 | 31 | "
+                        "40.0 / 44.0 / 45.0 | 100% | 5.0 | 0.2 / 50.0 / 3.0 | 600 | yes |")
+    assert "| 12.0 | 0.50x | 1.00 |" in lines[5]  # no repeats recorded: no range
     assert lines[5].endswith("| NO (gap 0.052) |")
     summary = report.summary(RECORDS).splitlines()
     assert summary[3] == "| ngram k=4 | 0.85x | 0.50x (chat, T=0, batch 1) | 1.45 |"
