@@ -45,7 +45,7 @@ from specjax.tree import StaticTree
 
 # Part of every cost table's key: raised when the measurement changes, so tables cached by an
 # earlier version are measured again.
-METHOD_VERSION = 3
+METHOD_VERSION = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,7 +202,7 @@ def shut_gate():
 
 def measure_loop_costs(cfg: ModelConfig, params: dict, drafter, dparams,
                        buckets: Sequence[int], *, batch: int = 1, context: int = 256,
-                       tokens: int = 32, trials: int = 3, progress=None):
+                       tokens: int = 32, trials: int = 5, progress=None):
     """Seconds of a drafted cycle at each budget bucket and of the plain step that replaces a
     cycle while the draft gate is shut, timed inside the decoding loop itself.
 
@@ -210,11 +210,11 @@ def measure_loop_costs(cfg: ModelConfig, params: dict, drafter, dparams,
     program timed is the one a cost-aware generation runs). The budget's costs are traced: a
     bucket is forced by pricing it at 1 s and the others at 1e9 s, with a plain step priced so
     high that the gate never shuts. A generation of ``tokens`` and one of ``2 * tokens`` new
-    tokens (fastest of ``trials`` each, greedy, no stop tokens, from the same random prompts of
+    tokens (fastest of ``trials`` each, every bucket's and the plain step's runs interleaved
+    trial by trial; greedy, no stop tokens, from the same random prompts of
     ``context - tokens`` tokens, so the longer run sits at ``context`` halfway; fewer where
-    the model's context ends sooner) give the cost
-    of a cycle as the difference of their times over the difference of their cycle counts,
-    free of what a call pays once. The plain step is timed the same way with the gate held
+    the model's context ends sooner) give the cost of a cycle as the difference of their
+    times over the difference of their cycle counts, free of what a call pays once. The plain step is timed the same way with the gate held
     shut (the gate's plain steps and the drafter's catch-up), or for a drafter that cannot
     skip, as plain decoding.
 
@@ -225,8 +225,8 @@ def measure_loop_costs(cfg: ModelConfig, params: dict, drafter, dparams,
         plain step's plus the drafting).
       batch, context: rows and committed tokens, as the generation will run.
       tokens, trials: the shorter run's new tokens and the timed calls per length.
-      progress: optional callable ``(stage, n, seconds)`` after each measurement (stage
-        ``"cycle"`` with the bucket, then ``"step"`` with 0).
+      progress: optional callable ``(stage, n, seconds)`` for each measurement once all are
+        done (stage ``"cycle"`` with each bucket, then ``"step"`` with 0).
     Returns:
       ``(cycle_s, step_s)``: seconds per cycle for each bucket (0.0 for bucket 0) and per
       plain step.
@@ -243,28 +243,15 @@ def measure_loop_costs(cfg: ModelConfig, params: dict, drafter, dparams,
                   cache_size=-(-(width + 2 * tokens + drafter.n_nodes + 1) // 64) * 64)
     can_gate = hasattr(drafter, "skip")
 
-    def per_unit(run) -> float:
-        """Seconds per unit of ``run(n) -> (seconds, units)`` by the difference of a run of
-        ``tokens`` and one of ``2 * tokens`` new tokens (module docstring)."""
-        run(tokens)  # compiles or warms the executable
-        t1, u1 = min(run(tokens) for _ in range(trials))
-        t2, u2 = min(run(2 * tokens) for _ in range(trials))
-        # Where timing noise makes the longer run no slower, its mean per unit stands in.
-        return (t2 - t1) / (u2 - u1) if t2 > t1 and u2 > u1 else t2 / u2
+    def drafted_at(k):
+        budget = forced_budget(buckets, k, can_gate)
 
-    cycle_s = []
-    for k, n in enumerate(buckets):
-        if n == 0:
-            cycle_s.append(0.0)
-            continue
-
-        def drafted(m, budget=forced_budget(buckets, k, can_gate)):
+        def run(m):
             r = api.generate_tokens(cfg, params, prompts, max_new_tokens=m, drafter=drafter,
                                     drafter_params=dparams, budget=budget, **common)
             return r.run_s, int(r.stats.cycles.max())
+        return run
 
-        cycle_s.append(per_unit(drafted))
-        report("cycle", n, cycle_s[-1])
     if can_gate:
         def plain(m):
             r = api.generate_tokens(cfg, params, prompts, max_new_tokens=m, drafter=drafter,
@@ -275,14 +262,30 @@ def measure_loop_costs(cfg: ModelConfig, params: dict, drafter, dparams,
     else:
         def plain(m):
             return api.generate_tokens(cfg, params, prompts, max_new_tokens=m, **common).run_s, m
-    step_s = per_unit(plain)
-    report("step", 0, step_s)
+
+    runs = [("cycle", n, drafted_at(k)) for k, n in enumerate(buckets) if n] + [("step", 0, plain)]
+    for _, _, run in runs:
+        run(tokens)  # compiles or warms the executable
+    # [run, length] -> the fastest (seconds, units); the runs interleave trial by trial, so a
+    # machine whose speed drifts slows them all alike.
+    best = [[(np.inf, 0), (np.inf, 0)] for _ in runs]
+    for _ in range(trials):
+        for i, (_, _, run) in enumerate(runs):
+            for j, m in enumerate((tokens, 2 * tokens)):
+                best[i][j] = min(best[i][j], run(m))
+    seconds = {}
+    for (stage, n, _), ((t1, u1), (t2, u2)) in zip(runs, best):
+        # Where timing noise makes the longer run no slower, its mean per unit stands in.
+        seconds[n] = (t2 - t1) / (u2 - u1) if t2 > t1 and u2 > u1 else t2 / u2
+        report(stage, n, seconds[n])
+    cycle_s = [0.0 if n == 0 else seconds[n] for n in buckets]
+    step_s = seconds[0]
     return tuple(cycle_s), step_s
 
 
 def loop_cost_table(cfg: ModelConfig, params: dict, drafter, dparams, buckets: Sequence[int],
                     *, batch: int, context: int, key: dict, progress=None, tokens: int = 32,
-                    trials: int = 3):
+                    trials: int = 5):
     """A :class:`specjax.harness.CostTable` for ``drafter`` verified at ``buckets``, priced in
     the decoding loop (:func:`measure_loop_costs`): the draft cost is one ``propose`` call
     timed alone (:func:`measure_draft_cost`, what deciding to draft at all is about), the
