@@ -10,10 +10,10 @@ Each point is measured inside one jitted loop of passes over a cache already hol
 skipped), called with ``reps`` and with ``2 * reps`` passes: the difference of the two calls'
 times (fastest of ``trials`` each) over ``reps`` is the cost of one pass, free of what a call
 pays once (where noise makes the longer call no slower, its mean per pass is used). That
-once-per-call part is not small on XLA:CPU: in bfloat16 it hoists a float32 copy of the
-embedding table out of the loop (the embedding lookup's residual add is computed in float32),
-which a generation pays once but a short timing loop would spread over its few passes
-(one-node bfloat16 passes then measured 32-40 ms against 22 ms per token in decoding).
+once-per-call part is not small on XLA:CPU: in bfloat16 it hoists a copy of the embedding
+table out of the loop (:func:`specjax.models.target.embed`), which a generation pays once but
+a short timing loop would spread over its few passes (one-node bfloat16 passes then measured
+32-40 ms against 22 ms per token in decoding).
 
 A drafter's cost table is priced from the decoding loop itself (:func:`measure_loop_costs`):
 a verify pass and a ``propose`` call timed alone miss what a cycle adds around them (the
@@ -214,9 +214,9 @@ def measure_loop_costs(cfg: ModelConfig, params: dict, drafter, dparams,
     trial by trial; greedy, no stop tokens, from the same random prompts of
     ``context - tokens`` tokens, so the longer run sits at ``context`` halfway; fewer where
     the model's context ends sooner) give the cost of a cycle as the difference of their
-    times over the difference of their cycle counts, free of what a call pays once. The plain step is timed the same way with the gate held
-    shut (the gate's plain steps and the drafter's catch-up), or for a drafter that cannot
-    skip, as plain decoding.
+    times over the difference of their cycle counts, free of what a call pays once. The plain
+    step is timed the same way with the gate held shut (the gate's plain steps and the
+    drafter's catch-up), or for a drafter that cannot skip, as plain decoding.
 
     Args:
       cfg, params: the target.
@@ -240,7 +240,8 @@ def measure_loop_costs(cfg: ModelConfig, params: dict, drafter, dparams,
     width = max(min(context - tokens, cfg.max_position_embeddings - 2 * tokens), 1)
     prompts = rng.integers(0, cfg.vocab_size, (batch, width)).tolist()
     common = dict(prompt_width=width, new_tokens_width=2 * tokens,
-                  cache_size=-(-(width + 2 * tokens + drafter.n_nodes + 1) // 64) * 64)
+                  cache_size=api.round_up(width + 2 * tokens + drafter.n_nodes + 1,
+                                          api.CACHE_MULTIPLE))
     can_gate = hasattr(drafter, "skip")
 
     def drafted_at(k):

@@ -265,8 +265,9 @@ def check(params: Mapping[str, Any], cfg: ModelConfig) -> None:
     """Raise ValueError unless ``params`` has exactly the leaves, shapes and dtype of ``cfg``.
 
     Leaves only need ``.shape`` and ``.dtype``, so ``jax.ShapeDtypeStruct`` trees pass too. The
-    one-row copies may be present, all of them or none, and so may the tied head's copy. Messages name the leaf, e.g.
-    ``"layers.3.wqkv has shape (64, 100), expected (64, 2, 4, 16)"``; every loader ends with this
+    one-row copies may be present, all of them or none, and so may the tied head's copy.
+    Messages name the leaf, e.g. ``"layers.3.wqkv has shape (64, 100), expected (64, 2, 4,
+    16)"``; every loader ends with this
     check, so a checkpoint that disagrees with its own config fails at load time, not deep inside
     a jitted forward pass with an einsum shape error.
     """

@@ -210,9 +210,9 @@ def lm_head(params: dict, cfg: ModelConfig, hidden: jax.Array,
     A tied head multiplies by ``embed`` [V, D], or by its copy ``tied_head`` [D, V] where the
     params hold one (:func:`specjax.io.layout.with_tied_head`), except for a single float32
     row (a single bfloat16 row runs as two, :func:`specjax.models.layers.matmul`); an untied
-    one by ``lm_head`` [D, V], or by its one-row copy ``lm_head_t`` [V, D] for a single row. With ``vocab_ids`` [V'] (a reduced
-    draft vocabulary, say) only those rows of the head are gathered and the logits are
-    [..., V'], in the order of ``vocab_ids``.
+    one by ``lm_head`` [D, V], or by its one-row copy ``lm_head_t`` [V, D] for a single row.
+    With ``vocab_ids`` [V'] (a reduced draft vocabulary, say) only those rows of the head are
+    gathered and the logits are [..., V'], in the order of ``vocab_ids``.
     """
     if vocab_ids is not None:
         w = (params["embed"] if cfg.tie_embeddings else params["lm_head"].T)[vocab_ids]  # [V', D]
