@@ -88,8 +88,10 @@ def test_greedy_text_same_for_every_method(cli_model, capsys):
     want = tok.decode(_torch_greedy(torch_model, prompt_ids, 8, tok.eos_ids))
     texts = {}
     for method in ("plain", "ngram", "draft-model"):
+        # A fixed budget: the cost-aware default has its own test below.
         rc, out, err = _run(capsys, "generate", "--model", str(path), "--prompt", PROMPT,
-                            "--max-new-tokens", "8", "--method", method, "--draft-layers", "1")
+                            "--max-new-tokens", "8", "--method", method, "--draft-layers", "1",
+                            *(("--fixed-budget",) if method != "plain" else ()))
         assert rc == 0, err
         assert re.search(r"\d+ tokens in [\d.]+ s = [\d.]+ tok/s", err), err
         if method != "plain":
@@ -113,7 +115,8 @@ def test_eagle_drafter_from_a_directory_keeps_the_greedy_text(cli_model, tmp_pat
     rc, plain, _ = _run(capsys, *argv)
     rc, out, err = _run(capsys, *argv, "--method", "eagle1", "--drafter",
                         str(tmp_path / "drafter"), "--tree", tree, "--tree-nodes", "6",
-                        "--tree-depth", "2", "--tree-top-k", "2", "--draft-len", "3")
+                        "--tree-depth", "2", "--tree-top-k", "2", "--draft-len", "3",
+                        "--fixed-budget")
     assert rc == 0, err
     assert re.search(r"\[eagle1: \d+ verify cycles, tau = [\d.]+", err), err
     assert out == plain
@@ -121,9 +124,12 @@ def test_eagle_drafter_from_a_directory_keeps_the_greedy_text(cli_model, tmp_pat
     assert rc != 0 and "EAGLE-1 drafter, not eagle3" in err
 
 
-@pytest.mark.parametrize("method", ["dflash", "ddtree"])
+@pytest.mark.parametrize("method,budget", [("dflash", ()), ("ddtree", ("--fixed-budget",))],
+                         ids=["dflash-cost-aware", "ddtree-fixed"])
 def test_dflash_drafter_from_a_directory_keeps_the_greedy_text(cli_model, tmp_path, capsys,
-                                                               method):
+                                                               method, budget):
+    """A DFlash drafter in the official layout drives DFlash (through the default cost-aware
+    harness, which gates a drafter that costs something) and DDTree (a fixed budget)."""
     from specjax.drafters import dflash
     from specjax.io import load, official
 
@@ -134,7 +140,7 @@ def test_dflash_drafter_from_a_directory_keeps_the_greedy_text(cli_model, tmp_pa
     argv = ["generate", "--model", str(path), "--prompt", PROMPT, "--max-new-tokens", "8"]
     rc, plain, _ = _run(capsys, *argv)
     rc, out, err = _run(capsys, *argv, "--method", method, "--drafter",
-                        str(tmp_path / "drafter"), "--tree-nodes", "6")
+                        str(tmp_path / "drafter"), "--tree-nodes", "6", *budget)
     assert rc == 0, err
     assert re.search(rf"\[{method}: \d+ verify cycles, tau = [\d.]+", err), err
     assert out == plain
@@ -150,7 +156,8 @@ def test_eagle_without_a_shipped_drafter_says_what_to_do(cli_model, capsys):
 def test_raw_prompt_batch_prints_each_row(cli_model, capsys):
     path, _ = cli_model
     rc, out, err = _run(capsys, "generate", "--model", str(path), "--raw", "--prompt", PROMPT,
-                        "--prompt", "w9", "--max-new-tokens", "4", "--method", "ngram")
+                        "--prompt", "w9", "--max-new-tokens", "4", "--method", "ngram",
+                        "--fixed-budget")
     assert rc == 0, err
     assert out.startswith("--- [0]\n") and "\n--- [1]\n" in out
 
