@@ -754,6 +754,10 @@ def _add_bench(sub):
                    help="a known model name, an HF checkpoint directory, or a .gguf file "
                         "(default: %(default)s)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    p.add_argument("--reference-dtype", choices=("float32", "bfloat16"), default=None,
+                   help="also time plain decoding of the model at this precision beside every "
+                        "cell (a 'vs <dtype> plain' column): whether a method at --dtype beats "
+                        "the fastest plain decoding at any precision")
     p.add_argument("--methods", default="plain,ngram,draft-model,eagle3,dflash,ddtree",
                    help="comma-separated: plain, ngram, draft-model, eagle3, eagle1, dflash, "
                         "ddtree (default: %(default)s; EAGLE and DFlash use the shipped "
@@ -804,9 +808,13 @@ def _bench(args) -> int:
     if args.quick:
         for k, v in QUICK.items():
             setattr(args, k, v)
+    if args.reference_dtype == args.dtype:
+        raise ValueError(f"--reference-dtype {args.reference_dtype} is the sweep's own --dtype; "
+                         "its plain decoding is already the speedup's baseline")
     model = load(args.model, dtype=args.dtype)
     if model.tokenizer is None:
         raise ValueError(f"{args.model} has no tokenizer files; specjax bench needs text prompts")
+    reference = load(args.model, dtype=args.reference_dtype) if args.reference_dtype else None
     if args.prompts:
         sets = {}
         for f in args.prompts:
@@ -847,7 +855,7 @@ def _bench(args) -> int:
 
         records = sweep.run(model, sets, methods, temperatures=temps, batches=batches,
                             contexts=contexts, max_new_tokens=args.max_new_tokens, repeats=args.repeats,
-                            model_name=args.model, progress=progress,
+                            model_name=args.model, reference=reference, progress=progress,
                             on_record=lambda r: report.append_jsonl(r, sink))
     table = report.markdown(records)
     (out / "table.md").write_text(table + "\n\n" + report.summary(records) + "\n")

@@ -30,6 +30,10 @@ def _num(x, fmt: str) -> str:
     return "-" if x is None else format(x, fmt)
 
 
+def _ratio(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}x"
+
+
 def _same(same: bool | None, gap: float | None) -> str:
     """The "= plain" cell: yes, NO with the top-2 gap where outputs part, or - (sampled)."""
     if same is None:
@@ -44,13 +48,22 @@ def _speedup(r: dict) -> str:
     return f"{r['speedup']:.2f}x{spread}"
 
 
+def _reference(records: Sequence[dict]) -> str | None:
+    """The reference precision of records measured beside one (``sweep.run(reference=)``)."""
+    return next((r["reference_dtype"] for r in records if r.get("reference_dtype")), None)
+
+
 def markdown(records: Sequence[dict]) -> str:
     """A markdown table, one row per record, grouped by (set, temperature, batch, context) as
-    run; the context column appears when some record has one. The speedup column adds the
-    range over the cell's repeats (``speedup_runs``) where there are several."""
+    run; the context column appears when some record has one, and a "vs <dtype> plain" column
+    (``reference_speedup``) when the records were measured beside a reference precision. The
+    speedup column adds the range over the cell's repeats (``speedup_runs``) where there are
+    several."""
     ctx = any(r.get("context") for r in records)
+    ref = _reference(records)
     head = ("| set | T | batch |" + (" context |" if ctx else "")
-            + " method | tok/s | speedup | τ | TTFT ms | TPOT ms p50 / p95 / p99 | drafted "
+            + " method | tok/s | speedup |" + (f" vs {ref} plain |" if ref else "")
+            + " τ | TTFT ms | TPOT ms p50 / p95 / p99 | drafted "
               "| nodes/cycle | draft / verify / other ms | peak MB | = plain |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in records:
@@ -61,7 +74,9 @@ def markdown(records: Sequence[dict]) -> str:
         lines.append(
             f"| {r['set']} | {r['temperature']:g} | {r['batch']} "
             + (f"| {r.get('context') or '-'} " if ctx else "") + f"| {r['method']} "
-            f"| {r['tok_s']:.1f} | {_speedup(r)} | {r['tau']:.2f} "
+            f"| {r['tok_s']:.1f} | {_speedup(r)} "
+            + (f"| {_ratio(r.get('reference_speedup'))} " if ref else "")
+            + f"| {r['tau']:.2f} "
             f"| {_num(r['ttft_ms'], '.0f')} | {tpot} "
             f"| {_num(r['drafted'], '.0%')} | {_num(r['verified'], '.1f')} "
             f"| {'-' if split is None else '{draft:.1f} / {verify:.1f} / {other:.1f}'.format(**split)} "
@@ -70,11 +85,15 @@ def markdown(records: Sequence[dict]) -> str:
 
 
 def summary(records: Sequence[dict]) -> str:
-    """Per method: its mean speedup over the cells and its worst cell."""
+    """Per method: its mean speedup over the cells and its worst cell, and its mean speedup
+    over the reference precision's plain decoding where the records have one."""
     by = {}
     for r in records:
         by.setdefault(r["method"], []).append(r)
-    lines = ["| method | mean speedup | worst cell | mean τ |", "|---|---|---|---|"]
+    ref = _reference(records)
+    lines = ["| method | mean speedup | worst cell | mean τ |" + (f" mean vs {ref} plain |"
+                                                                  if ref else ""),
+             "|---|---|---|---|" + ("---|" if ref else "")]
     for name, rs in by.items():
         worst = min(rs, key=lambda r: r["speedup"])
         mean = sum(r["speedup"] for r in rs) / len(rs)
@@ -82,7 +101,10 @@ def summary(records: Sequence[dict]) -> str:
         where = f"{worst['set']}, T={worst['temperature']:g}, batch {worst['batch']}"
         if worst.get("context"):
             where += f", context {worst['context']}"
-        lines.append(f"| {name} | {mean:.2f}x | {worst['speedup']:.2f}x ({where}) | {tau:.2f} |")
+        line = f"| {name} | {mean:.2f}x | {worst['speedup']:.2f}x ({where}) | {tau:.2f} |"
+        if ref:
+            line += f" {sum(r['reference_speedup'] for r in rs) / len(rs):.2f}x |"
+        lines.append(line)
     return "\n".join(lines)
 
 

@@ -19,6 +19,13 @@ Executables are shared: prompts are padded to a coarse width (``WIDTH_BUCKET``) 
 one-token runs reuse the whole generation's executable (token limits are traced), so each
 method compiles once per width and batch size, and compilation happens before timing.
 
+**A reference precision.** ``run(reference=...)`` takes the same target loaded at another
+precision (float32 beside a bfloat16 sweep, say): every cell, plain decoding's included, also
+times the reference's plain decoding on each request, run by run beside its own runs (the
+faster of each kept), and ``reference_speedup`` is the cell's tokens per second over that
+rate. A faster method at a cheaper precision is then compared with the fastest plain decoding
+at any precision, measured beside it, not only with plain decoding at its own.
+
 **Gates carried.** A cost-aware method whose budget is gated (:class:`specjax.harness.Gate`)
 goes on from the gate its previous request left (the warm-up run included), through every set
 and temperature of one batch size and context, as a server would: a drafter that does not pay
@@ -35,6 +42,7 @@ Record fields (the latency ones None with ``run(latency=False)``): ``method``,
 are), ``requests``, ``prompt_tokens`` (mean), ``new_tokens`` (total), ``ttft_ms`` (p50),
 ``tpot_ms`` ({p50, p95, p99}), ``tok_s``, ``plain_tok_s``, ``speedup``, ``speedup_runs``
 (one per repeat; None for plain decoding), ``tau``,
+``reference_dtype``, ``reference_tok_s`` and ``reference_speedup`` (None without a reference),
 ``acceptance`` (P(accepted >= k) for k = 1..D), ``drafted`` (fraction of cycles that drafted),
 ``verified`` (nodes per row and cycle), ``fallbacks``, ``split_ms`` ({draft, verify, other}
 per cycle of the whole batch), ``peak_mb``, ``same_as_plain`` (greedy cells: whether every
@@ -163,7 +171,7 @@ def _requests(ids: Sequence[list[int]], batch: int) -> list[list[list[int]]]:
 def run(model, prompt_sets: Mapping[str, Sequence[str]], method_list: Sequence[Method], *,
         temperatures: Sequence[float] = (0.0,), batches: Sequence[int] = (1,),
         contexts: Sequence[int | None] = (None,), max_new_tokens: int = 128, repeats: int = 2,
-        seed: int = 0, model_name: str = "", latency: bool = True,
+        seed: int = 0, model_name: str = "", latency: bool = True, reference=None,
         progress: Callable[[str], None] | None = None,
         on_record: Callable[[dict], None] | None = None) -> list[dict]:
     """Runs the sweep (module docstring) and returns its records, one per cell.
@@ -182,6 +190,9 @@ def run(model, prompt_sets: Mapping[str, Sequence[str]], method_list: Sequence[M
       latency: measure time to first token, time per output token and the time split
         (one-token runs of the same executable, and a draft-cost measurement that compiles
         the drafter's ``propose`` alone); False leaves them None.
+      reference: optional :class:`specjax.io.models.LoadedModel`, the same target at another
+        precision, whose plain decoding every cell times beside its own runs (module
+        docstring).
       progress: optional callable, given a short description after each cell.
       on_record: optional callable, given each record as its cell ends (to keep the records
         of a sweep that stops early).
@@ -189,6 +200,9 @@ def run(model, prompt_sets: Mapping[str, Sequence[str]], method_list: Sequence[M
     cfg, params, tok = model.cfg, model.params, model.tokenizer
     if tok is None:
         raise ValueError("the sweep needs a model with a tokenizer (its prompts are chat turns)")
+    if reference is not None and reference.cfg.replace(dtype=cfg.dtype) != cfg:
+        raise ValueError("the reference must be the same target at another precision; its "
+                         f"config differs beyond the dtype: {reference.cfg} vs {cfg}")
     if not any(m.drafter is None for m in method_list):
         method_list = [Method("plain"), *method_list]
     method_list = sorted(method_list, key=lambda m: m.drafter is not None)  # plain first
@@ -225,6 +239,16 @@ def run(model, prompt_sets: Mapping[str, Sequence[str]], method_list: Sequence[M
             cache = api.round_up(width + max_new_tokens + widest + 1, api.CACHE_MULTIPLE)
             for t in temperatures:
                 plain_kw, plain_tokens = None, None
+                ref_kw = dict(cache_size=cache, temperature=t, prompt_width=width, seed=seed,
+                              stop_tokens=stops, new_tokens_width=max_new_tokens)
+
+                def ref_run(req):
+                    """The reference's plain decoding of ``req``."""
+                    return api.generate_tokens(reference.cfg, reference.params, req,
+                                               max_new_tokens=max_new_tokens, **ref_kw)
+
+                if reference is not None:
+                    ref_run(reqs[0])  # compiles before any timing
                 for m in method_list:
                     kw = dict(cache_size=cache, drafter=m.drafter, drafter_params=m.dparams,
                               temperature=t, prompt_width=width, seed=seed,
@@ -244,11 +268,14 @@ def run(model, prompt_sets: Mapping[str, Sequence[str]], method_list: Sequence[M
                     hist, cycles, drafted, verified, fallbacks = None, 0, 0, 0, 0
                     passes = 0  # the batch's cycles: the longest-running row took part in all
                     paired_s, paired_tokens = 0.0, 0
+                    ref_s, ref_tokens = 0.0, 0
                     # [repeat, (seconds, tokens) of the method, then of plain beside it]
                     by_repeat = np.zeros((repeats, 4))
                     for req in reqs:
-                        runs, bases = [], []
+                        runs, bases, refs = [], [], []
                         for i in range(repeats):
+                            if reference is not None:
+                                refs.append(ref_run(req))
                             if m.drafter is not None:
                                 bases.append(api.generate_tokens(
                                     cfg, params, req, max_new_tokens=max_new_tokens, **plain_kw))
@@ -260,6 +287,10 @@ def run(model, prompt_sets: Mapping[str, Sequence[str]], method_list: Sequence[M
                             base = min(bases, key=lambda r: r.run_s)
                             paired_s += base.run_s
                             paired_tokens += base.n_tokens
+                        if refs:
+                            ref = min(refs, key=lambda r: r.run_s)
+                            ref_s += ref.run_s
+                            ref_tokens += ref.n_tokens
                         if latency:
                             first = min(call(req, 1).run_s for _ in range(repeats))
                             ttft.append(first)
@@ -309,6 +340,10 @@ def run(model, prompt_sets: Mapping[str, Sequence[str]], method_list: Sequence[M
                         speedup_runs=None if m.drafter is None else [
                             float(tok / sec / (base_tok / base_sec))
                             for sec, tok, base_sec, base_tok in by_repeat],
+                        reference_dtype=None if reference is None else reference.cfg.dtype,
+                        reference_tok_s=None if reference is None else ref_tokens / ref_s,
+                        reference_speedup=(None if reference is None
+                                           else rate / (ref_tokens / ref_s)),
                         tau=1.0 if hist is None else metrics.tau(hist),
                         acceptance=[] if hist is None else metrics.acceptance_by_position(hist),
                         drafted=None if not cycles else drafted / cycles,

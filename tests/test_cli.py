@@ -321,6 +321,45 @@ def test_bench_pairs_each_cell_with_plain_runs(cli_model, tmp_path, capsys, monk
         [(g.n_tokens / g.run_s) / (b.n_tokens / b.run_s) for b, g in pairs])
 
 
+def test_bench_times_a_reference_precision_beside_every_cell(cli_model, tmp_path, capsys,
+                                                             monkeypatch):
+    """--reference-dtype: every cell, plain decoding's included, also times plain decoding of
+    the model at that precision on each request, run by run beside its own runs, and records
+    its speedup over that rate."""
+    from specjax import api, report
+
+    path, _ = cli_model
+    prompts = tmp_path / "q.jsonl"
+    prompts.write_text('{"category": "writing", "turns": ["w7 w8 w7 w8"]}\n')
+    real, calls = api.generate_tokens, []
+
+    def logged(cfg, *args, **kwargs):
+        result = real(cfg, *args, **kwargs)
+        name = cfg.dtype if kwargs.get("drafter") is None else "ngram"
+        calls.append((name, kwargs["max_new_tokens"], result))
+        return result
+
+    monkeypatch.setattr(api, "generate_tokens", logged)
+    out = tmp_path / "bench"
+    argv = ["bench", "--model", str(path), "--prompts", str(prompts), "--methods", "plain,ngram",
+            "--harness", "fixed", "--max-new-tokens", "5", "--repeats", "1", "--out", str(out),
+            "--no-progress"]
+    rc, _, err = _run(capsys, *argv, "--reference-dtype", "float32")
+    assert rc == 2 and "is the sweep's own --dtype" in err
+    rc, table, err = _run(capsys, *argv, "--reference-dtype", "bfloat16")
+    assert rc == 0, err
+    plain, ngram = report.read_jsonl(out / "records.jsonl")
+    # The n-gram cell: its warm-up, then the reference, plain and n-gram runs side by side.
+    cell = [(m, n) for m, n, _ in calls[-5:]]
+    assert cell == [("ngram", 5), ("bfloat16", 5), ("float32", 5), ("ngram", 5), ("ngram", 1)]
+    ref = calls[-4][2]
+    assert ngram["reference_dtype"] == "bfloat16"
+    assert ngram["reference_tok_s"] == pytest.approx(ref.n_tokens / ref.run_s)
+    assert ngram["reference_speedup"] == pytest.approx(ngram["tok_s"] / ngram["reference_tok_s"])
+    assert plain["reference_speedup"] == pytest.approx(plain["tok_s"] / plain["reference_tok_s"])
+    assert "| vs bfloat16 plain |" in table
+
+
 def test_bench_keeps_the_cells_measured_before_a_failure(cli_model, tmp_path, capsys,
                                                           monkeypatch):
     """A sweep that stops part way (here the second cell's generation fails) leaves the

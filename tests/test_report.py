@@ -103,6 +103,15 @@ def test_markdown_rows_and_the_summary_say_what_the_records_hold(tmp_path):
     assert summary[3] == "| ngram k=4 | 0.85x | 0.50x (chat, T=0, batch 1) | 1.45 |"
     with_ctx = report.markdown([_record(context=1024)]).splitlines()
     assert "| context |" in with_ctx[0] and "| 1024 |" in with_ctx[2]
+    # Beside a reference precision: its column and its mean per method.
+    refd = [dict(r, reference_dtype="float32", reference_tok_s=20.0,
+                 reference_speedup=r["tok_s"] / 20.0) for r in RECORDS]
+    lines = report.markdown(refd).splitlines()
+    assert "| speedup | vs float32 plain | τ |" in lines[0]
+    assert "| 1.20x (1.08-1.25) | 1.50x | 1.90 |" in lines[3]
+    summary = report.summary(refd).splitlines()
+    assert summary[0].endswith("| mean τ | mean vs float32 plain |")
+    assert summary[3].endswith("| 1.45 | 1.05x |")  # ngram k=4: 30 and 12 tok/s over 20
     report.write_jsonl(RECORDS, tmp_path / "r.jsonl")
     assert report.read_jsonl(tmp_path / "r.jsonl") == RECORDS
     report.plot(RECORDS, tmp_path / "r.png")
