@@ -45,7 +45,7 @@ from specjax.tree import StaticTree
 
 # Part of every cost table's key: raised when the measurement changes, so tables cached by an
 # earlier version are measured again.
-METHOD_VERSION = 4
+METHOD_VERSION = 5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -210,13 +210,18 @@ def measure_loop_costs(cfg: ModelConfig, params: dict, drafter, dparams,
     program timed is the one a cost-aware generation runs). The budget's costs are traced: a
     bucket is forced by pricing it at 1 s and the others at 1e9 s, with a plain step priced so
     high that the gate never shuts. A generation of ``tokens`` and one of ``2 * tokens`` new
-    tokens (fastest of ``trials`` each, every bucket's and the plain step's runs interleaved
-    trial by trial; greedy, no stop tokens, from the same random prompts of
+    tokens, run back to back (greedy, no stop tokens, from the same random prompts of
     ``context - tokens`` tokens, so the longer run sits at ``context`` halfway; fewer where
-    the model's context ends sooner) give the cost of a cycle as the difference of their
-    times over the difference of their cycle counts, free of what a call pays once. The plain
-    step is timed the same way with the gate held shut (the gate's plain steps and the
-    drafter's catch-up), or for a drafter that cannot skip, as plain decoding.
+    the model's context ends sooner), give the cost of a cycle as the difference of their
+    times over the difference of their cycle counts, free of what a call pays once. Each of
+    ``trials`` rounds times every bucket's pair and the plain step's in turn, and a cost is
+    the median of its rounds' (on a machine whose speed wanders by tens of percent from call
+    to call, a pair of runs seconds apart and the median over rounds scatter less than the
+    fastest runs of each length taken from different rounds). A cycle over more nodes never
+    costs less than one over fewer; where the medians say otherwise, the costs out of order
+    are pooled into their mean (isotonic regression). The plain step is timed the same way
+    with the gate held shut (the gate's plain steps and the drafter's catch-up), or for a
+    drafter that cannot skip, as plain decoding.
 
     Args:
       cfg, params: the target.
@@ -267,21 +272,34 @@ def measure_loop_costs(cfg: ModelConfig, params: dict, drafter, dparams,
     runs = [("cycle", n, drafted_at(k)) for k, n in enumerate(buckets) if n] + [("step", 0, plain)]
     for _, _, run in runs:
         run(tokens)  # compiles or warms the executable
-    # [run, length] -> the fastest (seconds, units); the runs interleave trial by trial, so a
-    # machine whose speed drifts slows them all alike.
-    best = [[(np.inf, 0), (np.inf, 0)] for _ in runs]
+    # [run] -> seconds per unit of each round, from that round's pair of runs.
+    rounds = [[] for _ in runs]
     for _ in range(trials):
         for i, (_, _, run) in enumerate(runs):
-            for j, m in enumerate((tokens, 2 * tokens)):
-                best[i][j] = min(best[i][j], run(m))
-    seconds = {}
-    for (stage, n, _), ((t1, u1), (t2, u2)) in zip(runs, best):
-        # Where timing noise makes the longer run no slower, its mean per unit stands in.
-        seconds[n] = (t2 - t1) / (u2 - u1) if t2 > t1 and u2 > u1 else t2 / u2
+            (t1, u1), (t2, u2) = run(tokens), run(2 * tokens)
+            # Where timing noise makes the longer run no slower, its mean per unit stands in.
+            rounds[i].append((t2 - t1) / (u2 - u1) if t2 > t1 and u2 > u1 else t2 / u2)
+    seconds = {n: float(np.median(r)) for (_, n, _), r in zip(runs, rounds)}
+    drafted = [n for n in buckets if n]
+    seconds |= dict(zip(drafted, monotone([seconds[n] for n in drafted])))
+    for stage, n, _ in runs:
         report(stage, n, seconds[n])
     cycle_s = [0.0 if n == 0 else seconds[n] for n in buckets]
     step_s = seconds[0]
     return tuple(cycle_s), step_s
+
+
+def monotone(values: Sequence[float]) -> list[float]:
+    """The non-decreasing sequence closest to ``values`` in squared error (pool adjacent
+    violators: every run of values out of order is replaced by its mean)."""
+    blocks = []  # [sum, count]
+    for v in values:
+        blocks.append([float(v), 1])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            total, count = blocks.pop()
+            blocks[-1][0] += total
+            blocks[-1][1] += count
+    return [total / count for total, count in blocks for _ in range(count)]
 
 
 def loop_cost_table(cfg: ModelConfig, params: dict, drafter, dparams, buckets: Sequence[int],

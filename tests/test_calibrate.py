@@ -62,3 +62,12 @@ def test_loop_costs_price_each_bucket_and_the_plain_step():
     assert table.buckets == (0, 2, 8) and table.draft_s[0] == 0 and table.draft_s[1] > 0
     assert table.draft_s[1] == table.draft_s[2] and min(table.verify_s) > 0
     assert table.key == {"what": "test"}
+    assert table.cycle_s[1] <= table.cycle_s[2]  # more nodes never priced cheaper
+
+
+def test_monotone_pools_the_costs_out_of_order():
+    assert calibrate.monotone([1.0, 2.0, 5.0]) == [1.0, 2.0, 5.0]
+    assert calibrate.monotone([3.0, 1.0, 2.0]) == [2.0, 2.0, 2.0]
+    assert calibrate.monotone([1.0, 3.0, 2.0, 4.0]) == [1.0, 2.5, 2.5, 4.0]
+    # A late violation reaches back through the earlier pools: (4 + 5 + 1 + 3) / 4.
+    assert calibrate.monotone([4.0, 5.0, 1.0, 3.0]) == pytest.approx([3.25] * 4)
