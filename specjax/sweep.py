@@ -239,21 +239,20 @@ def run(model, prompt_sets: Mapping[str, Sequence[str]], method_list: Sequence[M
             cache = api.round_up(width + max_new_tokens + widest + 1, api.CACHE_MULTIPLE)
             for t in temperatures:
                 plain_kw, plain_tokens = None, None
-                ref_kw = dict(cache_size=cache, temperature=t, prompt_width=width, seed=seed,
+                # What every run of this group shares, plain decoding's and the reference's.
+                shared = dict(cache_size=cache, temperature=t, prompt_width=width, seed=seed,
                               stop_tokens=stops, new_tokens_width=max_new_tokens)
 
                 def ref_run(req):
                     """The reference's plain decoding of ``req``."""
                     return api.generate_tokens(reference.cfg, reference.params, req,
-                                               max_new_tokens=max_new_tokens, **ref_kw)
+                                               max_new_tokens=max_new_tokens, **shared)
 
                 if reference is not None:
                     ref_run(reqs[0])  # compiles before any timing
                 for m in method_list:
-                    kw = dict(cache_size=cache, drafter=m.drafter, drafter_params=m.dparams,
-                              temperature=t, prompt_width=width, seed=seed,
-                              stop_tokens=stops, budget=budgets.get(m.name),
-                              new_tokens_width=max_new_tokens)
+                    kw = dict(shared, drafter=m.drafter, drafter_params=m.dparams,
+                              budget=budgets.get(m.name))
 
                     def call(req, n, m=m, kw=kw):
                         """``m`` on ``req`` for ``n`` new tokens, going on from its gate."""
