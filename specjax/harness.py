@@ -18,27 +18,39 @@ sum of the indicator "this node's path is accepted" over nodes; best-first order
 first N - 1 nodes the best such set. One verify pass serves the whole batch, so the bucket
 is chosen per batch from the rows' summed expected tokens.
 
+**Calibration.** A drafter's confidences are its own estimates: a small drafter trained on
+little data is under- or overconfident by tens of percent, differently by prompt, and at T > 0
+a draft's confidence is not the probability verification accepts it with. Where the loop gates
+(below), it keeps decayed sums (weight ``CAL_DECAY`` per drafted cycle) of the accepted drafts
+and of the drafts the raw confidences predicted for the bucket verified, and scales every
+path probability by their ratio (``Gate.calibration``, from ``CAL_PRIOR`` drafts of each and
+clipped to ``[1 / CAL_CLIP, CAL_CLIP]``; each scaled probability at most 1) before choosing.
+
 **Whether to draft at all.** In the loop the bucket is chosen after drafting, so a cycle's
 draft time is paid whatever the choice: every bucket carries it, and a cycle that picks bucket 0
 costs a plain step plus the drafting. Where drafting costs something (``Budget.gated``), a gate
 decides before each cycle whether to draft, from what drafting has earned so far: the advantage
 of a drafted cycle, in plain steps, is
 
-    a = (1 + accepted drafts, the batch's mean) - cycle_s[k] / step_s,
+    a = (expected tokens of bucket k, the batch's mean) - cycle_s[k] / step_s,
 
-its running mean (an exponential average, weight ``GATE_ALPHA``) is kept, and while it is not
-positive the loop runs plain steps without drafting (an inner loop of plain decoding steps
-that write the cache in place, as fast as plain decoding's; the drafter catches up through
-its ``catch_up``, the target's taps of up to ``CATCH_UP`` steps at once, or else through
-``skip`` and ``commit`` after every step). A run of plain steps ends in a probe, one
-drafted cycle whose advantage replaces the average; a successful probe resumes drafting. A
-failure that loses ``-a`` plain steps starts a run long enough that the loss is at most
-``GATE_PROBE_SHARE`` of it (``-a / GATE_PROBE_SHARE`` steps) and at least twice the previous
-run, up to ``GATE_MAX_SKIP`` steps: a drafter that never pays costs a few percent at most, and
-one that nearly breaks even is probed often. The gate's state is returned with the generation
-and may start the next request (``gate=``), which then finishes the run of plain steps it is
-in before drafting again. A drafter whose draft time is negligible (under
-``GATE_MIN_DRAFT`` of a plain step: prompt lookup) is never gated, so a match is never missed.
+from the calibrated confidences (a cycle's accepted count is 0 or a few, so at batch 1 its
+advantage swings by a plain step or more from cycle to cycle around a mean a small fraction of
+that: a gate fed the realized counts closes on a streak of rejections where drafting pays; the
+realized counts enter through the calibration, over many cycles). Its running mean (an
+exponential average, weight ``GATE_ALPHA``) is kept, and while it is not positive the loop
+runs plain steps without drafting (an inner loop of plain decoding steps that write the cache
+in place, as fast as plain decoding's; the drafter catches up through its ``catch_up``, the
+target's taps of up to ``CATCH_UP`` steps at once, or else through ``skip`` and ``commit``
+after every step). A run of plain steps ends in a probe, one drafted cycle whose advantage
+replaces the average; a successful probe resumes drafting. A failure that loses ``-a`` plain
+steps starts a run long enough that the loss is at most ``GATE_PROBE_SHARE`` of it (``-a /
+GATE_PROBE_SHARE`` steps) and at least twice the previous run, up to ``GATE_MAX_SKIP`` steps:
+a drafter that never pays costs a few percent at most, and one that nearly breaks even is
+probed often. The gate's state (calibration included) is returned with the generation and may
+start the next request (``gate=``), which then finishes the run of plain steps it is in before
+drafting again. A drafter whose draft time is negligible (under ``GATE_MIN_DRAFT`` of a plain
+step: prompt lookup) is never gated, so a match is never missed.
 
 Costs are measured (``specjax calibrate``) into a :class:`CostTable` JSON, reused while the
 machine, model, dtype and batch stay the same; its :meth:`CostTable.budget` is what
@@ -152,10 +164,10 @@ class Budget:
         object.__setattr__(self, "gated", bool(
             self.step_s is not None and self.draft_s > GATE_MIN_DRAFT * self.step_s))
 
-    def advantage(self, k: jax.Array, accepted: jax.Array) -> jax.Array:
-        """Plain steps a drafted cycle of bucket ``k`` gained: ``1 + accepted -
-        cycle_s[k] / step_s`` (``accepted``: the batch's mean accepted drafts)."""
-        return 1.0 + accepted - jnp.asarray(self.cycle_s, jnp.float32)[k] / self.step_s
+    def advantage(self, k: jax.Array, tokens: jax.Array) -> jax.Array:
+        """Plain steps a drafted cycle of bucket ``k`` gains: ``tokens - cycle_s[k] /
+        step_s`` (``tokens``: the cycle's expected tokens, the batch's mean)."""
+        return tokens - jnp.asarray(self.cycle_s, jnp.float32)[k] / self.step_s
 
 
 def _budget_leaves(b: Budget):
@@ -178,6 +190,9 @@ GATE_ALPHA = 0.3  # weight of the newest drafted cycle in the running advantage
 GATE_PROBE_SHARE = 0.02  # a failed probe's loss at most this share of the plain run after it
 GATE_MAX_SKIP = 256  # the longest run of plain steps between probes
 GATE_MIN_DRAFT = 0.05  # draft time, as a fraction of a plain step, below which no gate
+CAL_DECAY = 0.95  # weight of the older drafted cycles in the calibration's sums, per cycle
+CAL_PRIOR = 1.0  # drafts accepted and predicted before the first cycle (calibration 1)
+CAL_CLIP = 4.0  # the calibration stays within [1 / CAL_CLIP, CAL_CLIP]
 
 
 @jax.tree_util.register_dataclass
@@ -191,17 +206,35 @@ class Gate:
       skip: int32, the shortest next run of plain steps after a failure (twice the last run).
       probing: bool, whether the next drafted cycle is a probe (its advantage replaces the
         running one).
+      accepted: float32, decayed sum of the drafted cycles' accepted drafts (the batch's
+        mean), ``CAL_PRIOR`` at the start.
+      predicted: float32, the same sum of the drafts their raw confidences predicted.
     """
 
     advantage: jax.Array
     wait: jax.Array
     skip: jax.Array
     probing: jax.Array
+    accepted: jax.Array
+    predicted: jax.Array
 
     @classmethod
     def start(cls) -> Gate:
-        """The gate before the first cycle: drafting, the first cycle a probe."""
-        return cls(jnp.float32(0.0), jnp.int32(0), jnp.int32(1), jnp.bool_(True))
+        """The gate before the first cycle: drafting, the first cycle a probe, calibration 1."""
+        return cls(jnp.float32(0.0), jnp.int32(0), jnp.int32(1), jnp.bool_(True),
+                   jnp.float32(CAL_PRIOR), jnp.float32(CAL_PRIOR))
+
+    @property
+    def calibration(self) -> jax.Array:
+        """float32 scalar: what the path probabilities are scaled by (module docstring)."""
+        return jnp.clip(self.accepted / self.predicted, 1 / CAL_CLIP, CAL_CLIP)
+
+    def observe(self, predicted: jax.Array, accepted: jax.Array) -> Gate:
+        """The gate after a drafted cycle whose raw confidences predicted ``predicted``
+        accepted drafts where ``accepted`` were (both the batch's means): the calibration's
+        sums, decayed by ``CAL_DECAY``."""
+        return dataclasses.replace(self, accepted=CAL_DECAY * self.accepted + accepted,
+                                   predicted=CAL_DECAY * self.predicted + predicted)
 
     @property
     def drafts(self) -> jax.Array:
@@ -218,34 +251,38 @@ class Gate:
         fail = drafted & (mean <= 0)
         amortize = jnp.ceil(-mean / GATE_PROBE_SHARE).astype(jnp.int32)
         run = jnp.clip(jnp.maximum(self.skip, amortize), 1, GATE_MAX_SKIP)
-        return Gate(
-            advantage=mean,
+        return dataclasses.replace(
+            self, advantage=mean,
             wait=jnp.where(fail, run, jnp.maximum(self.wait - (~self.drafts), 0)),
             skip=jnp.where(fail, jnp.minimum(2 * run, GATE_MAX_SKIP),
                            jnp.where(drafted, 1, self.skip)),
             probing=jnp.where(drafted, fail, self.probing | fail))
 
 
-def expected_tokens(path_probs: jax.Array, buckets: Sequence[int]) -> jax.Array:
+def expected_tokens(path_probs: jax.Array, buckets: Sequence[int],
+                    scale: jax.Array | float = 1.0) -> jax.Array:
     """Tokens a cycle of each bucket emits in expectation (module docstring).
 
     Args:
       path_probs: [B, M] float, the acceptance probabilities of the drafter's M best nodes in
         best-first order (root excluded); a bucket larger than M + 1 counts M.
       buckets: budgets N (0 = a plain step).
+      scale: the calibration each probability is multiplied by (then clipped to 1).
     Returns:
       [B, n_buckets] float32: 1 for bucket 0, else 1 + the sum of the first N - 1 probabilities.
     """
-    p = jnp.clip(path_probs.astype(jnp.float32), 0.0, 1.0)
+    p = jnp.clip(path_probs.astype(jnp.float32) * scale, 0.0, 1.0)
     csum = jnp.concatenate([jnp.zeros_like(p[:, :1]), jnp.cumsum(p, axis=1)], axis=1)
     take = np.clip(np.maximum(np.asarray(buckets) - 1, 0), 0, p.shape[1])
     return 1.0 + csum[:, take]
 
 
-def choose_bucket(path_probs: jax.Array, table: CostTable | Budget) -> jax.Array:
+def choose_bucket(path_probs: jax.Array, table: CostTable | Budget,
+                  scale: jax.Array | float = 1.0) -> jax.Array:
     """The index (into ``table.buckets``) of the bucket with the most expected tokens per
-    second for the whole batch: a scalar int32, traceable (usable inside the decoding loop);
-    ties go to the smaller bucket."""
-    rate = expected_tokens(path_probs, table.buckets).sum(0) / jnp.asarray(table.cycle_s,
-                                                                         jnp.float32)
+    second for the whole batch (``path_probs`` scaled by ``scale``, :func:`expected_tokens`):
+    a scalar int32, traceable (usable inside the decoding loop); ties go to the smaller
+    bucket."""
+    rate = expected_tokens(path_probs, table.buckets, scale).sum(0) / jnp.asarray(
+        table.cycle_s, jnp.float32)
     return jnp.argmax(rate).astype(jnp.int32)

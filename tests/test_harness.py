@@ -183,6 +183,51 @@ def test_the_gate_backs_off_after_failed_probes_and_resumes_after_a_good_one():
     assert [drafted(-0.001) for _ in range(10)] == [1, 2, 4, 8, 16, 32, 64, 128, 256, 256]
 
 
+def test_the_calibration_scales_the_confidences_it_chooses_with():
+    g = harness.Gate.start()
+    assert float(g.calibration) == 1.0
+    g = g.observe(jnp.float32(0.5), jnp.float32(1.5))
+    d, prior = harness.CAL_DECAY, harness.CAL_PRIOR
+    np.testing.assert_allclose(float(g.calibration), (d * prior + 1.5) / (d * prior + 0.5),
+                               rtol=1e-6)
+    for _ in range(50):
+        g = g.observe(jnp.float32(0.1), jnp.float32(2.0))
+    assert float(g.calibration) == harness.CAL_CLIP
+    probs = np.asarray([[0.9, 0.5, 0.25]], np.float32)
+    np.testing.assert_allclose(harness.expected_tokens(probs, (0, 2, 4), 2.0), [[1, 2, 3.5]])
+    # A chain at 0.6: E(4) = 2.176 -> 19.8 tok/s, below plain's 20. Scaled by 1.25 (0.75,
+    # 0.45, 0.27, ...): E(4) = 2.47 -> 22.5 tok/s; E(8) = 2.82 -> 18.8; E(16) -> 15.1.
+    assert TABLE.buckets[int(harness.choose_bucket(_chain(0.6), TABLE))] == 0
+    assert TABLE.buckets[int(harness.choose_bucket(_chain(0.6), TABLE, 1.25))] == 4
+
+
+def test_the_gate_calibrates_on_every_drafted_cycle(monkeypatch):
+    """Without decay, the gate's sums are the accepted drafts of every cycle and the drafts
+    the raw confidences predicted for the bucket verified (the first 3 of 7 drafts here)."""
+    from specjax import calibrate
+
+    drafter = dflash.DFlashDrafter(DCFG, DecoderTarget(TINY), dflash.DDTree(8))
+    seen = []
+    orig = dflash.DFlashDrafter.propose
+
+    def spy(self, *args):
+        proposal, state = orig(self, *args)
+        jax.debug.callback(lambda c, v: seen.append(float(np.where(v, c, 0)[0, 1:4].sum())),
+                           proposal.confidence, proposal.node_valid)
+        return proposal, state
+
+    monkeypatch.setattr(dflash.DFlashDrafter, "propose", spy)
+    monkeypatch.setattr(harness, "CAL_DECAY", 1.0)
+    budget = calibrate.forced_budget((0, 4, 8), 1, gated=True)
+    got = api.generate_tokens(TINY, PARAMS, PROMPTS[1:2], max_new_tokens=11, drafter=drafter,
+                              drafter_params=DPARAMS, budget=budget)
+    st, g = got.stats, got.gate
+    assert int(st.drafted[0]) == int(st.cycles[0]) == len(seen) > 2
+    assert (st.verified == 4 * st.cycles).all()
+    np.testing.assert_allclose(float(g.accepted), harness.CAL_PRIOR + int(st.accepted[0]))
+    np.testing.assert_allclose(float(g.predicted), harness.CAL_PRIOR + sum(seen), rtol=1e-5)
+
+
 def test_a_table_gates_only_a_drafter_that_costs_time():
     assert TABLE.budget().gated  # 20 ms of drafting against a 50 ms plain step
     cheap = harness.CostTable((0, 4), (0.05, 0.1), (0.0, 0.001))
