@@ -8,9 +8,15 @@ hardware, the dtype and XLA's kernels, so it is measured, never assumed.
 Each point is measured inside one jitted loop of passes over a cache already holding
 ``context`` tokens, each pass fed the previous pass's argmax (so no pass can be hoisted or
 skipped), called with ``reps`` and with ``2 * reps`` passes: the difference of the two calls'
-times (fastest of ``trials`` each) over ``reps`` is the cost of one pass, free of what a call
-pays once (where noise makes the longer call no slower, its mean per pass is used). That
-once-per-call part is not small on XLA:CPU: in bfloat16 it hoists a copy of the embedding
+times over ``reps`` is the cost of one pass, free of what a call pays once (where noise makes
+the longer call no slower, its mean per pass is used). Each of ``trials`` rounds times every
+point in turn; the smallest point's cost is the median of its rounds' differences, and every
+other point is that times the median over rounds of its longer call's time over the smallest
+point's (what a call pays once is the same at every point and small against ``2 * reps``
+passes). A machine whose speed wanders by tens of percent from second to second moves a
+round's calls together, so those ratios scatter by a few percent where the differences (or
+the fastest of each point's own calls, timed one point after another) scatter by tens: the
+curve's shape is what decides which budget pays. That once-per-call part is not small on XLA:CPU: in bfloat16 it hoists a copy of the embedding
 table out of the loop (:func:`specjax.models.target.embed`), which a generation pays once but
 a short timing loop would spread over its few passes (one-node bfloat16 passes then measured
 32-40 ms against 22 ms per token in decoding).
@@ -19,7 +25,8 @@ A drafter's cost table is priced from the decoding loop itself (:func:`measure_l
 a verify pass and a ``propose`` call timed alone miss what a cycle adds around them (the
 bucket switch, the commit, the drafter's own commit, the loop's carry) and what XLA fuses or
 copies differently inside one program, so the gate's comparison of a cycle with a plain step
-is made in the units the loop pays.
+is made in the units the loop pays. The loop prices the largest bucket and the plain step;
+the smaller buckets take their differences from the verify curve (:func:`loop_cost_table`).
 """
 
 from __future__ import annotations
@@ -45,7 +52,7 @@ from specjax.tree import StaticTree
 
 # Part of every cost table's key: raised when the measurement changes, so tables cached by an
 # earlier version are measured again.
-METHOD_VERSION = 5
+METHOD_VERSION = 6
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,8 +115,9 @@ def measure_verify_costs(
       context: committed tokens already in the cache.
       batch: rows per pass.
       reps: the extra passes of the longer timed call (module docstring).
-      trials: timed calls of each length per point; the fastest is kept.
-      progress: optional callable ``(n, seconds)`` called after each point.
+      trials: rounds, each timing every point's two calls in turn (module docstring).
+      progress: optional callable ``(n, seconds)`` called for each point once all are
+        measured.
     """
     nodes = tuple(sorted(set(int(n) for n in nodes)))
     capacity = context + max(nodes)
@@ -118,11 +126,11 @@ def measure_verify_costs(
     _, _, cache = target.forward(params, cfg, prompt, jnp.broadcast_to(jnp.arange(context),
                                                                       (batch, context)), cache)
     cache = cache_lib.advance(cache, jnp.full((batch,), context, jnp.int32))
-    seconds = []
-    for n in nodes:
-        tree = StaticTree.chain(n)
+
+    def timer(n):
         tokens = jnp.zeros((batch, n), jnp.int32)
-        exe = _passes.lower(params, cache, tokens, reps, cfg=cfg, tree=tree).compile()
+        exe = _passes.lower(params, cache, tokens, reps, cfg=cfg,
+                            tree=StaticTree.chain(n)).compile()
 
         def timed(passes):
             t0 = time.perf_counter()
@@ -130,13 +138,22 @@ def measure_verify_costs(
             return time.perf_counter() - t0
 
         timed(reps)
-        short = min(timed(reps) for _ in range(trials))
-        long = min(timed(2 * reps) for _ in range(trials))
-        # Where timing noise swamps a pass (a tiny model), the longer call's mean stands in.
-        seconds.append((long - short) / reps if long > short else long / (2 * reps))
+        return timed
+
+    timers = [timer(n) for n in nodes]
+    # [round, point] seconds of each call: each round times every point in turn.
+    short, long = np.zeros((trials, len(nodes))), np.zeros((trials, len(nodes)))
+    for r in range(trials):
+        for i, timed in enumerate(timers):
+            short[r, i], long[r, i] = timed(reps), timed(2 * reps)
+    # Where timing noise swamps a pass (a tiny model), the longer call's mean stands in.
+    diff = np.where(long > short, (long - short) / reps, long / (2 * reps))[:, 0]
+    ratios = np.median(long / long[:, :1], axis=0)
+    seconds = tuple(float(np.median(diff) * q) for q in ratios)
+    for n, sec in zip(nodes, seconds):
         if progress is not None:
-            progress(n, seconds[-1])
-    return VerifyCosts(nodes, tuple(seconds), cfg.dtype, context)
+            progress(n, sec)
+    return VerifyCosts(nodes, seconds, cfg.dtype, context)
 
 
 def measure_draft_cost(cfg: ModelConfig, params: dict, drafter, dparams,
@@ -196,14 +213,15 @@ def shut_gate():
     starts from it is a plain step, never a probe."""
     from specjax import harness
 
-    return harness.Gate(jnp.float32(-1.0), jnp.int32(1 << 30), jnp.int32(harness.GATE_MAX_SKIP),
-                        jnp.bool_(True))
+    return dataclasses.replace(harness.Gate.start(), advantage=jnp.float32(-1.0),
+                               wait=jnp.int32(1 << 30), skip=jnp.int32(harness.GATE_MAX_SKIP))
 
 
 def measure_loop_costs(cfg: ModelConfig, params: dict, drafter, dparams,
-                       buckets: Sequence[int], *, batch: int = 1, context: int = 256,
-                       tokens: int = 32, trials: int = 5, progress=None):
-    """Seconds of a drafted cycle at each budget bucket and of the plain step that replaces a
+                       buckets: Sequence[int], *, timed: Sequence[int] | None = None,
+                       batch: int = 1, context: int = 256, tokens: int = 32, trials: int = 5,
+                       progress=None):
+    """Seconds of a drafted cycle at budget buckets and of the plain step that replaces a
     cycle while the draft gate is shut, timed inside the decoding loop itself.
 
     One loop is compiled with all ``buckets`` (gated where the drafter can skip, so that the
@@ -226,19 +244,21 @@ def measure_loop_costs(cfg: ModelConfig, params: dict, drafter, dparams,
     Args:
       cfg, params: the target.
       drafter, dparams: the drafter at its full size (``n_nodes`` at least the largest bucket).
-      buckets: budgets N (verify nodes, root included) to price; 0 is skipped (its cost is a
-        plain step's plus the drafting).
+      buckets: the budgets N (verify nodes, root included) the loop is compiled with.
+      timed: the buckets to time (default every bucket but 0, whose cost is a plain step's
+        plus the drafting).
       batch, context: rows and committed tokens, as the generation will run.
-      tokens, trials: the shorter run's new tokens and the timed calls per length.
+      tokens, trials: the shorter run's new tokens and the rounds.
       progress: optional callable ``(stage, n, seconds)`` for each measurement once all are
-        done (stage ``"cycle"`` with each bucket, then ``"step"`` with 0).
+        done (stage ``"cycle"`` with each timed bucket, then ``"step"`` with 0).
     Returns:
-      ``(cycle_s, step_s)``: seconds per cycle for each bucket (0.0 for bucket 0) and per
+      ``(cycle_s, step_s)``: ``{N: seconds per cycle}`` for each timed bucket, and seconds per
       plain step.
     """
     from specjax import api
 
     buckets = tuple(int(n) for n in buckets)
+    timed = tuple(n for n in buckets if n) if timed is None else tuple(int(n) for n in timed)
     report = progress or (lambda *a: None)
     rng = np.random.default_rng(0)
     # Within the model's context, where the table's context is at its limit.
@@ -269,7 +289,7 @@ def measure_loop_costs(cfg: ModelConfig, params: dict, drafter, dparams,
         def plain(m):
             return api.generate_tokens(cfg, params, prompts, max_new_tokens=m, **common).run_s, m
 
-    runs = [("cycle", n, drafted_at(k)) for k, n in enumerate(buckets) if n] + [("step", 0, plain)]
+    runs = [("cycle", n, drafted_at(buckets.index(n))) for n in timed] + [("step", 0, plain)]
     for _, _, run in runs:
         run(tokens)  # compiles or warms the executable
     # [run] -> seconds per unit of each round, from that round's pair of runs.
@@ -280,13 +300,11 @@ def measure_loop_costs(cfg: ModelConfig, params: dict, drafter, dparams,
             # Where timing noise makes the longer run no slower, its mean per unit stands in.
             rounds[i].append((t2 - t1) / (u2 - u1) if t2 > t1 and u2 > u1 else t2 / u2)
     seconds = {n: float(np.median(r)) for (_, n, _), r in zip(runs, rounds)}
-    drafted = [n for n in buckets if n]
-    seconds |= dict(zip(drafted, monotone([seconds[n] for n in drafted])))
+    step_s = seconds.pop(0)
+    cycle_s = dict(zip(sorted(seconds), monotone([seconds[n] for n in sorted(seconds)])))
     for stage, n, _ in runs:
-        report(stage, n, seconds[n])
-    cycle_s = [0.0 if n == 0 else seconds[n] for n in buckets]
-    step_s = seconds[0]
-    return tuple(cycle_s), step_s
+        report(stage, n, cycle_s[n] if n else step_s)
+    return cycle_s, step_s
 
 
 def monotone(values: Sequence[float]) -> list[float]:
@@ -306,14 +324,23 @@ def loop_cost_table(cfg: ModelConfig, params: dict, drafter, dparams, buckets: S
                     *, batch: int, context: int, key: dict, progress=None, tokens: int = 32,
                     trials: int = 5):
     """A :class:`specjax.harness.CostTable` for ``drafter`` verified at ``buckets``, priced in
-    the decoding loop (:func:`measure_loop_costs`): the draft cost is one ``propose`` call
-    timed alone (:func:`measure_draft_cost`, what deciding to draft at all is about), the
-    verify cost of a bucket the rest of its cycle, and bucket 0 the plain step.
+    the decoding loop: the level from the loop, the differences between buckets from the
+    verify curve.
+
+    The draft cost is one ``propose`` call timed alone (:func:`measure_draft_cost`, what
+    deciding to draft at all is about). The largest bucket's cycle and the plain step are
+    timed in the loop (:func:`measure_loop_costs`); a smaller bucket's cycle is that cycle
+    scaled by ``(T_verify(N) + draft) / (T_verify(N_max) + draft)``, the verify passes timed
+    in a tight loop of passes (:func:`measure_verify_costs`, the fastest of many calls).
+    Which bucket pays turns on cycles that differ by a few percent, less than the loop's own
+    timings scatter between rounds on a busy machine; the verify curve measures those
+    differences, the loop what a cycle costs in all. The verify
+    cost of a bucket is the rest of its cycle; bucket 0's is the plain step.
 
     Args:
       key: the table's full key (:meth:`specjax.harness.CostTable.matches`).
       progress: optional callable ``(stage, n, seconds)`` after each measurement (``"draft"``,
-        then :func:`measure_loop_costs`'s).
+        ``"verify"`` for each node count, then :func:`measure_loop_costs`'s).
       tokens, trials: the loop timing's (:func:`measure_loop_costs`).
     """
     from specjax import harness
@@ -324,15 +351,28 @@ def loop_cost_table(cfg: ModelConfig, params: dict, drafter, dparams, buckets: S
     slots = -(-(context + 2 * drafter.n_nodes + 2) // 64) * 64  # room for a cycle
     draft = measure_draft_cost(cfg, params, drafter, dparams, prompts, slots, width=context)
     report("draft", drafter.n_nodes, draft)
-    cycles, step = measure_loop_costs(cfg, params, drafter, dparams, buckets, batch=batch,
-                                      context=context, tokens=tokens, trials=trials,
-                                      progress=report)
+    drafted = [n for n in buckets if n]
+    curve = measure_verify_costs(cfg, params, drafted, context=context, batch=batch,
+                                 progress=lambda n, sec: report("verify", n, sec))
+    largest = drafted[-1]
+    cycles, step = measure_loop_costs(cfg, params, drafter, dparams, buckets, timed=(largest,),
+                                      batch=batch, context=context, tokens=tokens,
+                                      trials=trials, progress=report)
+    # More nodes never cost less: a curve out of order is pooled (isotonic) first.
+    shape = dict(zip(drafted, monotone([curve.at(n) + draft for n in drafted])))
+    scaled = {n: cycles[largest] * shape[n] / shape[largest] for n in drafted}
     # A cycle is never cheaper than its drafting: where noise says so, the drafting is its
     # whole cost but a sliver.
-    verify = tuple(step if n == 0 else max(c - draft, 1e-3 * c)
-                   for n, c in zip(buckets, cycles))
+    verify = tuple(step if n == 0 else max(scaled[n] - draft, 1e-3 * scaled[n])
+                   for n in buckets)
     return harness.CostTable(tuple(buckets), verify,
                              tuple(0.0 if n == 0 else draft for n in buckets), key)
+
+
+def loop_table_points(buckets: Sequence[int]) -> int:
+    """How many measurements :func:`loop_cost_table` reports through ``progress`` (the
+    drafting, the verify curve's points, the largest cycle and the plain step)."""
+    return sum(1 for n in buckets if n) + 3
 
 
 def measure_cost_table(cfg: ModelConfig, params: dict, buckets: Sequence[int], drafter_at=None,

@@ -201,9 +201,9 @@ def _calibrate(args) -> int:
             return 0
     model = load(args.model, dtype=args.dtype)
     drafter_at = budget_drafter(args, model.cfg, model.params)
-    # Priced in the loop: the drafting, each bucket's cycle and the plain step; without a
-    # drafter, the verify passes.
-    steps = (sum(n > 0 for n in buckets) + 2 if drafter_at else
+    # With a drafter: the drafting, the verify curve, the loop's largest cycle and plain step;
+    # without one, the verify passes.
+    steps = (calibrate.loop_table_points(buckets) if drafter_at else
              len({1, *(n for n in buckets if n)}))
     with tqdm(total=steps, unit="point", desc=f"calibrate {args.method}") as bar:
         def progress(stage, n, seconds):
@@ -237,8 +237,10 @@ def _add_calibrate(sub):
         help="measure verify and draft costs per budget into a JSON table",
         description="Measure, on this machine, what a cycle costs at each budget bucket N "
                     "(0 = a plain step) into a cost table (JSON), reused while machine, model, "
-                    "dtype, batch and context stay the same. With a drafter the cycles are "
-                    "timed inside the decoding loop (verify = the cycle less the drafting); "
+                    "dtype, batch and context stay the same. With a drafter the largest "
+                    "bucket's cycle and the plain step are timed inside the decoding loop and "
+                    "the smaller buckets scaled from it by the verify curve (verify = the "
+                    "cycle less the drafting); "
                     "with --method plain, the verify passes T_verify(N) alone. The break-even "
                     "tau of a bucket is its cycle time in plain steps: a drafter must average "
                     "more tokens per cycle than that to pay.",
@@ -336,7 +338,7 @@ def _cost_aware_budget(args, model, drafter, drafter_params, prompt_tokens: int,
     def progress(stage, n, seconds):
         nonlocal bar
         if bar is None:
-            bar = tqdm(total=len(buckets[1:]) + 2, unit="point",
+            bar = tqdm(total=calibrate.loop_table_points(buckets), unit="point",
                        desc="measuring costs (once per machine and setting)", file=sys.stderr)
         bar.set_postfix_str(f"{stage} N={n}: {seconds * 1e3:.1f} ms")
         bar.update()

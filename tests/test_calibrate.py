@@ -51,18 +51,50 @@ def test_a_shut_gate_runs_plain_steps_only_and_stays_lossless():
     assert int(r.stats.drafted[0]) == 0 and r.tokens == plain.tokens
 
 
-def test_loop_costs_price_each_bucket_and_the_plain_step():
-    """The drafting timed alone, each bucket's cycle and the plain step in the loop; verify is
-    the cycle less the drafting, bucket 0 the plain step."""
+def test_loop_costs_time_the_buckets_asked_for_and_the_plain_step():
+    seen = []
+    cycles, step = calibrate.measure_loop_costs(
+        TINY, PARAMS, *DRAFTER, (0, 2, 4, 8), timed=(2, 8), context=24, tokens=4, trials=1,
+        progress=lambda stage, n, s: seen.append((stage, n, s)))
+    assert [x[:2] for x in seen] == [("cycle", 2), ("cycle", 8), ("step", 0)]
+    assert set(cycles) == {2, 8} and step > 0
+    assert cycles[2] <= cycles[8]  # more nodes never priced cheaper
+    assert [x[2] for x in seen] == [cycles[2], cycles[8], step]
+
+
+def test_loop_cost_table_scales_the_largest_cycle_by_the_verify_curve(monkeypatch):
+    """The drafting timed alone, the verify curve, the largest bucket's cycle and the plain
+    step in the loop: a smaller bucket's cycle is the largest one's times (verify + draft)
+    over (the largest's verify + draft); verify is the cycle less the drafting, bucket 0 the
+    plain step. Hand-made timings stand in for the clock."""
+    monkeypatch.setattr(calibrate, "measure_draft_cost", lambda *a, **k: 0.01)
+    def curve(cfg, params, nodes, *, context, batch, progress):
+        assert list(nodes) == [2, 8] and (context, batch) == (24, 1)
+        costs = calibrate.VerifyCosts((2, 8), (0.02, 0.04), "float32", context)
+        for n, sec in zip(costs.nodes, costs.seconds):
+            progress(n, sec)
+        return costs
+
+    def loop(cfg, params, drafter, dparams, buckets, *, timed, progress, **kw):
+        assert buckets == (0, 2, 8) and timed == (8,)
+        progress("cycle", 8, 0.1)
+        progress("step", 0, 0.03)
+        return {8: 0.1}, 0.03
+
+    monkeypatch.setattr(calibrate, "measure_verify_costs", curve)
+
+    monkeypatch.setattr(calibrate, "measure_loop_costs", loop)
     seen = []
     table = calibrate.loop_cost_table(TINY, PARAMS, *DRAFTER, (0, 2, 8), batch=1, context=24,
-                                      key={"what": "test"}, tokens=4, trials=1,
+                                      key={"what": "test"},
                                       progress=lambda stage, n, s: seen.append((stage, n)))
-    assert seen == [("draft", 8), ("cycle", 2), ("cycle", 8), ("step", 0)]
-    assert table.buckets == (0, 2, 8) and table.draft_s[0] == 0 and table.draft_s[1] > 0
-    assert table.draft_s[1] == table.draft_s[2] and min(table.verify_s) > 0
+    assert seen == [("draft", 8), ("verify", 2), ("verify", 8), ("cycle", 8), ("step", 0)]
+    assert len(seen) == calibrate.loop_table_points(table.buckets)
+    # The loop's 8-node cycle (0.1 s) is 2x the curve's 0.04 + 0.01: the 2-node cycle is
+    # 2 x (0.02 + 0.01) = 0.06 s.
+    assert table.buckets == (0, 2, 8) and table.draft_s == (0.0, 0.01, 0.01)
+    assert table.verify_s == pytest.approx((0.03, 0.05, 0.09))
     assert table.key == {"what": "test"}
-    assert table.cycle_s[1] <= table.cycle_s[2]  # more nodes never priced cheaper
 
 
 def test_monotone_pools_the_costs_out_of_order():
