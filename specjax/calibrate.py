@@ -7,19 +7,20 @@ hardware, the dtype and XLA's kernels, so it is measured, never assumed.
 
 Each point is measured inside one jitted loop of passes over a cache already holding
 ``context`` tokens, each pass fed the previous pass's argmax (so no pass can be hoisted or
-skipped), called with ``reps`` and with ``2 * reps`` passes: the difference of the two calls'
-times over ``reps`` is the cost of one pass, free of what a call pays once (where noise makes
-the longer call no slower, its mean per pass is used). Each of ``trials`` rounds times every
-point in turn; the smallest point's cost is the median of its rounds' differences, and every
-other point is that times the median over rounds of its longer call's time over the smallest
-point's (what a call pays once is the same at every point and small against ``2 * reps``
-passes). A machine whose speed wanders by tens of percent from second to second moves a
-round's calls together, so those ratios scatter by a few percent where the differences (or
-the fastest of each point's own calls, timed one point after another) scatter by tens: the
-curve's shape is what decides which budget pays. That once-per-call part is not small on XLA:CPU: in bfloat16 it hoists a copy of the embedding
-table out of the loop (:func:`specjax.models.target.embed`), which a generation pays once but
-a short timing loop would spread over its few passes (one-node bfloat16 passes then measured
-32-40 ms against 22 ms per token in decoding).
+skipped), called with ``reps`` and with ``2 * reps`` passes: twice the shorter call's time
+less the longer's is what a call pays once, the same at every point (in each round, its
+median over the round's points, at most half of any call), and a point's cost per pass is
+its longer call's time less that, over ``2 * reps``. That once-per-call part is not small on XLA:CPU: in bfloat16 it hoists a copy of the embedding table out of the loop
+(:func:`specjax.models.target.embed`), which a generation pays once but a short timing loop
+would spread over its few passes (one-node bfloat16 passes then measured 32-40 ms against
+22 ms per token in decoding).
+
+Each of ``trials`` rounds times every point in turn; the smallest point's cost is the median
+of its rounds', and every other point is that times the median over rounds of its cost over
+the smallest point's in the same round. A machine whose speed wanders by tens of percent from
+second to second moves a round's calls together, so those ratios scatter by a few percent
+where a point's own times (or the fastest of each point's calls, timed one point after
+another) scatter by tens: the curve's shape is what decides which budget pays.
 
 A drafter's cost table is priced from the decoding loop itself (:func:`measure_loop_costs`):
 a verify pass and a ``propose`` call timed alone miss what a cycle adds around them (the
@@ -146,14 +147,31 @@ def measure_verify_costs(
     for r in range(trials):
         for i, timed in enumerate(timers):
             short[r, i], long[r, i] = timed(reps), timed(2 * reps)
-    # Where timing noise swamps a pass (a tiny model), the longer call's mean stands in.
-    diff = np.where(long > short, (long - short) / reps, long / (2 * reps))[:, 0]
-    ratios = np.median(long / long[:, :1], axis=0)
-    seconds = tuple(float(np.median(diff) * q) for q in ratios)
+    seconds = pass_costs(short, long, reps)
     for n, sec in zip(nodes, seconds):
         if progress is not None:
             progress(n, sec)
     return VerifyCosts(nodes, seconds, cfg.dtype, context)
+
+
+def pass_costs(short: np.ndarray, long: np.ndarray, reps: int) -> tuple[float, ...]:
+    """Seconds per pass of each point from rounds of timed calls (module docstring).
+
+    Args:
+      short, long: [rounds, points] seconds of the calls of ``reps`` and ``2 * reps`` passes,
+        each round timing every point in turn.
+    Returns:
+      One cost per point: the first point's median per-pass time, the others that times their
+      median ratio to the first within a round.
+    """
+    # short = once + reps passes, long = once + 2 reps passes; what a call pays once is the
+    # same at every point: each round's is the median over its points, at most half of any
+    # of its calls (a slow round is slow in that part too).
+    once = np.clip(np.median(2 * short - long, axis=1, keepdims=True), 0.0,
+                   0.5 * long.min(axis=1, keepdims=True))
+    per_pass = (long - once) / (2 * reps)
+    ratios = np.median(per_pass / per_pass[:, :1], axis=0)
+    return tuple(float(np.median(per_pass[:, 0]) * q) for q in ratios)
 
 
 def measure_draft_cost(cfg: ModelConfig, params: dict, drafter, dparams,

@@ -376,7 +376,8 @@ def speculative_generate(
         a drafter's own cache, so it is dropped by default).
       budget: a :class:`specjax.harness.Budget` for cost-aware speculation (its buckets and
         gate are compiled in, its costs traced): each cycle verifies only the first
-        ``buckets[k]`` nodes of the proposal (bucket 0: the roots, a plain step), k chosen from the proposal's ``confidence`` by
+        ``buckets[k]`` nodes of the proposal (bucket 0: the roots, a plain step), k chosen
+        from the proposal's ``confidence`` (scaled by the gate's calibration where gated) by
         :func:`specjax.harness.choose_bucket` (one compiled pass per distinct width, under a
         ``lax.switch``); None verifies every node. Needs a target with ``forward_fresh`` and
         a drafter that reports confidences. A gated budget (``Budget.gated``) also decides

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from specjax import api, calibrate
@@ -23,6 +24,24 @@ def test_measure_verify_costs_shape_and_interpolation():
     assert all(s > 0 for s in costs.seconds)
     assert costs.at(3) == pytest.approx((costs.seconds[1] + costs.seconds[2]) / 2)
     assert costs.plain_step == costs.seconds[0]
+
+
+def test_pass_costs_take_off_what_a_call_pays_once_and_hold_through_slow_rounds():
+    """Three points at 10 / 12 / 15 ms per pass, 40 ms paid once per call, 8 and 16 passes:
+    round 1 runs at half speed throughout and round 2 has one call slowed 3x; the per-round
+    ratios and medians give the costs back."""
+    v, once, reps = np.array([0.010, 0.012, 0.015]), 0.04, 8
+    short = np.tile(once + reps * v, (3, 1))
+    long = np.tile(once + 2 * reps * v, (3, 1))
+    short[1] *= 2.0
+    long[1] *= 2.0
+    long[2, 1] *= 3.0
+    np.testing.assert_allclose(calibrate.pass_costs(short, long, reps), v, rtol=1e-9)
+    # Noise that makes what a call pays once negative, or more than half a call, is clipped.
+    assert calibrate.pass_costs(np.full((1, 2), 0.1), np.full((1, 2), 0.5), 8) == (
+        pytest.approx(0.5 / 16),) * 2
+    assert calibrate.pass_costs(np.full((1, 2), 1.0), np.full((1, 2), 0.5), 8) == (
+        pytest.approx(0.25 / 16),) * 2
 
 
 PARAMS = target.init_params(TINY, 0)
