@@ -10,7 +10,8 @@ Each point is measured inside one jitted loop of passes over a cache already hol
 skipped), called with ``reps`` and with ``2 * reps`` passes: twice the shorter call's time
 less the longer's is what a call pays once, the same at every point (in each round, its
 median over the round's points, at most half of any call), and a point's cost per pass is
-its longer call's time less that, over ``2 * reps``. That once-per-call part is not small on XLA:CPU: in bfloat16 it hoists a copy of the embedding table out of the loop
+its longer call's time less that, over ``2 * reps``. That once-per-call part is not small on
+XLA:CPU: in bfloat16 it hoists a copy of the embedding table out of the loop
 (:func:`specjax.models.target.embed`), which a generation pays once but a short timing loop
 would spread over its few passes (one-node bfloat16 passes then measured 32-40 ms against
 22 ms per token in decoding).
@@ -349,11 +350,11 @@ def loop_cost_table(cfg: ModelConfig, params: dict, drafter, dparams, buckets: S
     deciding to draft at all is about). The largest bucket's cycle and the plain step are
     timed in the loop (:func:`measure_loop_costs`); a smaller bucket's cycle is that cycle
     scaled by ``(T_verify(N) + draft) / (T_verify(N_max) + draft)``, the verify passes timed
-    in a tight loop of passes (:func:`measure_verify_costs`, the fastest of many calls).
+    in tight loops of passes, every point in each round (:func:`measure_verify_costs`).
     Which bucket pays turns on cycles that differ by a few percent, less than the loop's own
     timings scatter between rounds on a busy machine; the verify curve measures those
-    differences, the loop what a cycle costs in all. The verify
-    cost of a bucket is the rest of its cycle; bucket 0's is the plain step.
+    differences, the loop what a cycle costs in all. The verify cost of a bucket is the rest
+    of its cycle; bucket 0's is the plain step.
 
     Args:
       key: the table's full key (:meth:`specjax.harness.CostTable.matches`).
