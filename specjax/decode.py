@@ -1,9 +1,10 @@
 """Generation loops: plain and speculative decoding, each one jitted call per request.
 
-A request is a right-padded batch of prompts ``prompt[B, P]`` with true lengths ``prompt_len[B]``.
-One jitted call prefills the target, samples the first new token of each row, then runs a
-``lax.while_loop`` of one-token steps until every row has produced its limit of new tokens
-(``max_new_tokens``, or a traced per-row ``limits``) or hit a stop token. Nothing leaves the device until the call returns.
+A request is a right-padded batch of prompts ``prompt[B, P]`` with true lengths
+``prompt_len[B]``. One jitted call prefills the target, samples the first new token of each
+row, then runs a ``lax.while_loop`` of one-token steps until every row has produced its limit
+of new tokens (``max_new_tokens``, or a traced per-row ``limits``) or hit a stop token.
+Nothing leaves the device until the call returns.
 
 Row independence: a row's tokens depend only on its own prompt, sampling parameters and rng
 key (``jax.random.fold_in(rng, row)``), never on padding, the batch size or its position in the
