@@ -519,8 +519,10 @@ def speculative_generate(
                 raise ValueError(f"{type(drafter).__name__} reports no confidence for "
                                  "cost-aware budgets")
             conf = jnp.where(node_valid & running[:, None], proposal.confidence, 0.0)[:, 1:]
-            scale = s.gate.calibration if is_gated else 1.0
-            k = harness.choose_bucket(conf, budget, scale)
+            # [B, n_buckets] expected tokens of each bucket, the gate's calibration applied.
+            expected = harness.expected_tokens(conf, budget.buckets,
+                                               s.gate.calibration if is_gated else 1.0)
+            k = harness.best_bucket(expected, budget)
             keep = jnp.asarray([max(w, 1) for w in budget.buckets], jnp.int32)[k]
             node_valid &= jnp.arange(n)[None, :] < keep
         tokens = jnp.where(node_valid, proposal.tokens, 0).at[:, 0].set(ctx.root)
@@ -604,16 +606,14 @@ def speculative_generate(
             drafted=st.drafted + running)
         gate = s.gate
         if is_gated:
-            # The batch's means over its running rows: raw and calibrated expectations of the
-            # bucket verified, and the accepted drafts (harness module docstring).
+            # The batch's means over its running rows (the others expect one token, the root):
+            # the drafts the raw confidences predicted for the bucket verified, those accepted,
+            # and the calibrated expected tokens (harness module docstring).
             rows = jnp.maximum(jnp.sum(running), 1)
-
-            def drafts(scale):
-                return jnp.sum(harness.expected_tokens(conf, budget.buckets, scale)[:, k]
-                               - 1.0) / rows
-
-            gate = gate.observe(drafts(1.0), jnp.sum(n_acc) / rows).update(
-                budget.advantage(k, 1.0 + drafts(scale)), jnp.any(running))
+            raw = harness.expected_tokens(conf, budget.buckets)[:, k]
+            gate = gate.observe(jnp.sum(raw - 1.0) / rows, jnp.sum(n_acc) / rows).update(
+                budget.advantage(k, 1.0 + jnp.sum(expected[:, k] - 1.0) / rows),
+                jnp.any(running))
         return SpecState(seq=seq, seq_len=seq_len, n_generated=n_generated, done=done,
                          stopped=s.stopped | hit, cache=cache, dstate=dstate, rng=s.rng,
                          cycle=s.cycle + 1, stats=stats, gate=gate, catch=s.catch)

@@ -277,12 +277,15 @@ def expected_tokens(path_probs: jax.Array, buckets: Sequence[int],
     return 1.0 + csum[:, take]
 
 
+def best_bucket(tokens: jax.Array, table: CostTable | Budget) -> jax.Array:
+    """The index (into ``table.buckets``) of the bucket with the most expected tokens per
+    second for the whole batch, from ``tokens`` [B, n_buckets] (:func:`expected_tokens`): a
+    scalar int32, traceable (usable inside the decoding loop); ties go to the smaller bucket."""
+    rate = tokens.sum(0) / jnp.asarray(table.cycle_s, jnp.float32)
+    return jnp.argmax(rate).astype(jnp.int32)
+
+
 def choose_bucket(path_probs: jax.Array, table: CostTable | Budget,
                   scale: jax.Array | float = 1.0) -> jax.Array:
-    """The index (into ``table.buckets``) of the bucket with the most expected tokens per
-    second for the whole batch (``path_probs`` scaled by ``scale``, :func:`expected_tokens`):
-    a scalar int32, traceable (usable inside the decoding loop); ties go to the smaller
-    bucket."""
-    rate = expected_tokens(path_probs, table.buckets, scale).sum(0) / jnp.asarray(
-        table.cycle_s, jnp.float32)
-    return jnp.argmax(rate).astype(jnp.int32)
+    """:func:`best_bucket` for path probabilities ``path_probs`` [B, M] scaled by ``scale``."""
+    return best_bucket(expected_tokens(path_probs, table.buckets, scale), table)

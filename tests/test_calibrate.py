@@ -87,6 +87,7 @@ def test_loop_cost_table_scales_the_largest_cycle_by_the_verify_curve(monkeypatc
     over (the largest's verify + draft); verify is the cycle less the drafting, bucket 0 the
     plain step. Hand-made timings stand in for the clock."""
     monkeypatch.setattr(calibrate, "measure_draft_cost", lambda *a, **k: 0.01)
+
     def curve(cfg, params, nodes, *, context, batch, progress):
         assert list(nodes) == [2, 8] and (context, batch) == (24, 1)
         costs = calibrate.VerifyCosts((2, 8), (0.02, 0.04), "float32", context)
@@ -101,7 +102,6 @@ def test_loop_cost_table_scales_the_largest_cycle_by_the_verify_curve(monkeypatc
         return {8: 0.1}, 0.03
 
     monkeypatch.setattr(calibrate, "measure_verify_costs", curve)
-
     monkeypatch.setattr(calibrate, "measure_loop_costs", loop)
     seen = []
     table = calibrate.loop_cost_table(TINY, PARAMS, *DRAFTER, (0, 2, 8), batch=1, context=24,
