@@ -378,16 +378,16 @@ def speculative_generate(
       budget: a :class:`specjax.harness.Budget` for cost-aware speculation (its buckets and
         gate are compiled in, its costs traced): each cycle verifies only the first
         ``buckets[k]`` nodes of the proposal (bucket 0: the roots, a plain step), k chosen
-        from the proposal's ``confidence`` (scaled by the gate's calibration where gated) by
-        :func:`specjax.harness.choose_bucket` (one compiled pass per distinct width, under a
-        ``lax.switch``); None verifies every node. Needs a target with ``forward_fresh`` and
-        a drafter that reports confidences. A gated budget (``Budget.gated``) also decides
-        after each drafted cycle how many plain steps to run before drafting again
-        (:class:`specjax.harness.Gate`), for drafters that offer ``skip``: an inner
-        ``lax.while_loop`` of plain decoding steps, each writing the cache in place as
-        :func:`generate` does, so a run of them costs what plain decoding costs; a drafter
-        that offers ``catch_up`` takes those steps ``CATCH_UP`` at a time, the others through
-        ``skip`` and ``commit`` after every step.
+        from the running rows' ``confidence`` (scaled by the gate's calibration where gated;
+        a probe of the gate never picks bucket 0) by :func:`specjax.harness.best_bucket` (one
+        compiled pass per distinct width, under a ``lax.switch``); None verifies every node.
+        Needs a target with ``forward_fresh`` and a drafter that reports confidences. A
+        gated budget (``Budget.gated``) also decides after each drafted cycle how many plain
+        steps to run before drafting again (:class:`specjax.harness.Gate`), for drafters
+        that offer ``skip``: an inner ``lax.while_loop`` of plain decoding steps, each
+        writing the cache in place as :func:`generate` does, so a run of them costs what
+        plain decoding costs; a drafter that offers ``catch_up`` takes those steps
+        ``CATCH_UP`` at a time, the others through ``skip`` and ``commit`` after every step.
       limits: optional [B] int32 per-row token limits in ``[1, max_new_tokens]`` (traced);
         default ``max_new_tokens``.
       gate: the draft gate's state to start from (traced): an earlier generation's
@@ -522,7 +522,10 @@ def speculative_generate(
             # [B, n_buckets] expected tokens of each bucket, the gate's calibration applied.
             expected = harness.expected_tokens(conf, budget.buckets,
                                                s.gate.calibration if is_gated else 1.0)
-            k = harness.best_bucket(expected, budget)
+            # A probe verifies a drafted bucket: choosing a plain step, it would observe
+            # nothing and fail whatever the drafter's acceptance.
+            k = harness.best_bucket(expected, budget, running,
+                                    s.gate.probing if is_gated else False)
             keep = jnp.asarray([max(w, 1) for w in budget.buckets], jnp.int32)[k]
             node_valid &= jnp.arange(n)[None, :] < keep
         tokens = jnp.where(node_valid, proposal.tokens, 0).at[:, 0].set(ctx.root)

@@ -16,7 +16,7 @@ drafted best-first: each node's path confidence). The expected accepted count of
 (its first N - 1 nodes) is the sum of those probabilities, since the accepted length is the
 sum of the indicator "this node's path is accepted" over nodes; best-first order makes the
 first N - 1 nodes the best such set. One verify pass serves the whole batch, so the bucket
-is chosen per batch from the rows' summed expected tokens.
+is chosen per batch from the running rows' summed expected tokens.
 
 **Calibration.** A drafter's confidences are its own estimates: a small drafter trained on
 little data is under- or overconfident by tens of percent, differently by prompt, and at T > 0
@@ -43,14 +43,17 @@ runs plain steps without drafting (an inner loop of plain decoding steps that wr
 in place, as fast as plain decoding's; the drafter catches up through its ``catch_up``, the
 target's taps of up to ``CATCH_UP`` steps at once, or else through ``skip`` and ``commit``
 after every step). A run of plain steps ends in a probe, one drafted cycle whose advantage
-replaces the average; a successful probe resumes drafting. A failure that loses ``-a`` plain
-steps starts a run long enough that the loss is at most ``GATE_PROBE_SHARE`` of it (``-a /
-GATE_PROBE_SHARE`` steps) and at least twice the previous run, up to ``GATE_MAX_SKIP`` steps:
-a drafter that never pays costs a few percent at most, and one that nearly breaks even is
-probed often. The gate's state (calibration included) is returned with the generation and may
-start the next request (``gate=``), which then finishes the run of plain steps it is in before
-drafting again. A drafter whose draft time is negligible (under ``GATE_MIN_DRAFT`` of a plain
-step: prompt lookup) is never gated, so a match is never missed.
+replaces the average; a successful probe resumes drafting. A probe verifies the best drafted
+bucket (never bucket 0, which would observe nothing and always fail), so a calibration that a
+streak of rejections pushed low meets the drafter's acceptance again. A failure that loses
+``-a`` plain steps starts a run long enough that the loss is at most ``GATE_PROBE_SHARE`` of
+it (``-a / GATE_PROBE_SHARE`` steps) and at least twice the previous run, up to
+``GATE_MAX_SKIP`` steps: a drafter that never pays costs a few percent at most, and one that
+nearly breaks even is probed often. The gate's state (calibration included) is returned with
+the generation and may start the next request (``gate=``), which then finishes the run of
+plain steps it is in before drafting again. A drafter whose draft time is negligible (under
+``GATE_MIN_DRAFT`` of a plain step: prompt lookup) is never gated, so a match is never
+missed.
 
 Costs are measured (``specjax calibrate``) into a :class:`CostTable` JSON, reused while the
 machine, model, dtype and batch stay the same; its :meth:`CostTable.budget` is what
@@ -112,7 +115,12 @@ class CostTable:
 
     def matches(self, key: dict) -> bool:
         """Whether this table was measured for ``key`` (every entry equal)."""
-        return all(self.key.get(k) == v for k, v in key.items())
+        return not self.mismatch(key)
+
+    def mismatch(self, key: dict) -> dict:
+        """``{entry: (this table's value, key's value)}`` for each entry of ``key`` that this
+        table was measured otherwise for (absent entries: None)."""
+        return {k: (self.key.get(k), v) for k, v in key.items() if self.key.get(k) != v}
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=1)
@@ -191,7 +199,7 @@ GATE_PROBE_SHARE = 0.02  # a failed probe's loss at most this share of the plain
 GATE_MAX_SKIP = 256  # the longest run of plain steps between probes
 GATE_MIN_DRAFT = 0.05  # draft time, as a fraction of a plain step, below which no gate
 CAL_DECAY = 0.95  # weight of the older drafted cycles in the calibration's sums, per cycle
-CAL_PRIOR = 1.0  # drafts accepted and predicted before the first cycle (calibration 1)
+CAL_PRIOR = 4.0  # drafts accepted and predicted before the first cycle (calibration 1)
 CAL_CLIP = 4.0  # the calibration stays within [1 / CAL_CLIP, CAL_CLIP]
 
 
@@ -277,11 +285,26 @@ def expected_tokens(path_probs: jax.Array, buckets: Sequence[int],
     return 1.0 + csum[:, take]
 
 
-def best_bucket(tokens: jax.Array, table: CostTable | Budget) -> jax.Array:
+def best_bucket(tokens: jax.Array, table: CostTable | Budget,
+                running: jax.Array | None = None,
+                drafted: jax.Array | bool = False) -> jax.Array:
     """The index (into ``table.buckets``) of the bucket with the most expected tokens per
-    second for the whole batch, from ``tokens`` [B, n_buckets] (:func:`expected_tokens`): a
-    scalar int32, traceable (usable inside the decoding loop); ties go to the smaller bucket."""
+    second for the whole batch: a scalar int32, traceable (usable inside the decoding loop);
+    ties go to the smaller bucket.
+
+    Args:
+      tokens: [B, n_buckets] expected tokens per row and bucket (:func:`expected_tokens`).
+      table: the buckets and their cycle costs.
+      running: [B] bool, the rows still generating (None: all). A finished row emits nothing
+        whatever the bucket; counted, its one token would favour the cheapest bucket.
+      drafted: scalar bool: choose among the drafted buckets only (N > 0; a probe of the draft
+        gate, whose drafting is paid and whose acceptance is what it is there to observe).
+    """
+    if running is not None:
+        tokens = jnp.where(running[:, None], tokens, 0.0)
     rate = tokens.sum(0) / jnp.asarray(table.cycle_s, jnp.float32)
+    plain = np.asarray(table.buckets) == 0
+    rate = jnp.where(jnp.asarray(drafted) & plain, -jnp.inf, rate)
     return jnp.argmax(rate).astype(jnp.int32)
 
 

@@ -60,9 +60,31 @@ def test_choose_bucket_sums_the_rows_one_pass_serves():
     assert int(jitted(probs)) == 3
 
 
+def test_finished_rows_do_not_pull_the_choice_to_a_plain_step():
+    """A finished row emits nothing at any bucket. Counted as a token per bucket, two of them
+    would pick a plain step (3 / 0.05 = 60 tok/s against (2 + 2.533) / 0.11 = 41.2) where the
+    running row alone picks N = 4 (2.533 / 0.11 = 23.0 tok/s against 20)."""
+    probs = np.concatenate([_chain(0.7), np.zeros((2, 15), np.float32)])
+    tokens = harness.expected_tokens(probs, TABLE.buckets)
+    assert TABLE.buckets[int(harness.best_bucket(tokens, TABLE))] == 0
+    running = jnp.asarray([True, False, False])
+    assert TABLE.buckets[int(harness.best_bucket(tokens, TABLE, running))] == 4
+
+
+def test_a_probe_chooses_among_the_drafted_buckets():
+    """A chain at 0.6 picks a plain step (19.8 against 20 tok/s); a probe takes the best drafted
+    bucket, N = 4 (E(8) = 2.458 -> 16.4 tok/s; E(16) = 2.499 -> 12.5)."""
+    tokens = harness.expected_tokens(_chain(0.6), TABLE.buckets)
+    pick = jax.jit(lambda t, probe: harness.best_bucket(t, TABLE, drafted=probe))
+    assert int(pick(tokens, False)) == 0
+    assert TABLE.buckets[int(pick(tokens, True))] == 4
+
+
 def test_cost_table_json_round_trip_and_errors():
     again = harness.CostTable.from_json(TABLE.to_json())
     assert again == TABLE and again.matches(dict(model="m")) and not again.matches(dict(batch=4))
+    assert again.mismatch(dict(model="m", batch=4, dtype="float32")) == {
+        "batch": (1, 4), "dtype": (None, "float32")}
     np.testing.assert_allclose(again.cycle_s, [0.05, 0.11, 0.15, 0.2])
     # The loop drafts before it chooses: every bucket carries the full draft time (20 ms).
     np.testing.assert_allclose(TABLE.budget().cycle_s, [0.07, 0.12, 0.16, 0.2])
@@ -226,6 +248,24 @@ def test_the_gate_calibrates_on_every_drafted_cycle(monkeypatch):
     assert (st.verified == 4 * st.cycles).all()
     np.testing.assert_allclose(float(g.accepted), harness.CAL_PRIOR + int(st.accepted[0]))
     np.testing.assert_allclose(float(g.predicted), harness.CAL_PRIOR + sum(seen), rtol=1e-5)
+
+
+def test_a_probe_verifies_a_drafted_bucket_however_low_the_calibration():
+    """A gate whose calibration a streak of rejections pushed to 1/4 prices the drafts so low
+    that a plain step wins every drafted cycle (N = 4 costs 2 plain steps and expects at most
+    1 + 3/4 tokens); its probes still verify the 4 nodes, so the calibration meets the
+    drafter's acceptance again instead of the probes failing forever on bucket 0."""
+    drafter, dp = DraftModelDrafter.from_target_layers(TINY, PARAMS, 1, draft_len=3)
+    budget = harness.Budget((0, 4), (1.1, 2.0), step_s=1.0, draft_s=0.1)
+    assert budget.gated
+    low = dataclasses.replace(harness.Gate.start(), accepted=jnp.float32(1.0),
+                              predicted=jnp.float32(4.0))
+    got = api.generate_tokens(TINY, PARAMS, PROMPTS[:1], max_new_tokens=12, drafter=drafter,
+                              drafter_params=dp, budget=budget, gate=low)
+    st = got.stats
+    assert got.tokens == api.generate_tokens(TINY, PARAMS, PROMPTS[:1], max_new_tokens=12).tokens
+    # Each cycle that verified the 4 nodes adds 3 to ``verified`` beyond one per cycle.
+    assert int(st.verified[0]) - int(st.cycles[0]) >= 3, (st.verified, st.cycles, st.drafted)
 
 
 def test_a_table_gates_only_a_drafter_that_costs_time():
