@@ -394,20 +394,18 @@ def loop_table_points(buckets: Sequence[int]) -> int:
     return sum(1 for n in buckets if n) + 3
 
 
-def measure_cost_table(cfg: ModelConfig, params: dict, buckets: Sequence[int], drafter_at=None,
-                       *, batch: int = 1, context: int = 256, key: dict | None = None,
+def measure_cost_table(cfg: ModelConfig, params: dict, buckets: Sequence[int], *,
+                       batch: int = 1, context: int = 256, key: dict | None = None,
                        progress=None):
-    """A :class:`specjax.harness.CostTable` measured on this machine.
+    """A :class:`specjax.harness.CostTable` of the verify passes alone, measured on this
+    machine (:func:`measure_verify_costs`; no draft cost). A drafter's table, priced in the
+    decoding loop, is :func:`drafter_cost_table`'s.
 
     Args:
       buckets: budgets N (0 = a plain step).
-      drafter_at: ``drafter_at(n) -> (drafter, drafter params)`` sized to a budget of n nodes;
-        the drafter at the largest bucket is priced in the loop (:func:`loop_cost_table`), as
-        a cost-aware generation runs it. None: the verify passes alone
-        (:func:`measure_verify_costs`) and no draft cost.
       batch, context: rows per pass and committed tokens, as the generation will run.
-      key: what the table is for (model, method, ...); the device kind and dtype, batch and
-        context are added.
+      key: what the table is for (model, method, ...); the device kind and dtype, batch,
+        context and method version are added.
       progress: optional callable ``(stage, n, seconds)`` after each measurement.
     """
     from specjax import harness
@@ -415,10 +413,6 @@ def measure_cost_table(cfg: ModelConfig, params: dict, buckets: Sequence[int], d
     buckets = tuple(sorted(set(int(n) for n in buckets)))
     full_key = dict(key or {}, device=jax.devices()[0].device_kind, dtype=cfg.dtype,
                     batch=batch, context=context, method_version=METHOD_VERSION)
-    if drafter_at is not None:
-        drafter, dparams = drafter_at(buckets[-1])
-        return loop_cost_table(cfg, params, drafter, dparams, buckets, batch=batch,
-                               context=context, key=full_key, progress=progress)
     report = progress or (lambda *a: None)
     costs = measure_verify_costs(cfg, params, sorted({1, *(n for n in buckets if n)}),
                                  context=context, batch=batch,
@@ -440,19 +434,31 @@ def cost_context(prompt_tokens: int, max_new_tokens: int) -> int:
     return max(256, 1 << (need - 1).bit_length())
 
 
+def drafter_table_key(cfg: ModelConfig, drafter, *, batch: int, context: int,
+                      key: dict) -> dict:
+    """The full key of ``drafter``'s cost table (:func:`drafter_cost_table`): ``key`` (the
+    model name, method and drafter shape) with the device kind, dtype, batch, context,
+    buckets and method version added."""
+    return dict(key, device=jax.devices()[0].device_kind, dtype=cfg.dtype, batch=batch,
+                context=context, buckets=list(budget_buckets(drafter.n_nodes)),
+                method_version=METHOD_VERSION)
+
+
 def drafter_cost_table(cfg: ModelConfig, params: dict, drafter, dparams, *, batch: int,
-                       context: int, key: dict, path: Path | None = None, progress=None):
+                       context: int, key: dict, path: Path | None = None, progress=None,
+                       reuse: bool = True):
     """The cost table of ``drafter`` as it stands (sized once; the loop verifies the first
     ``budget_buckets(drafter.n_nodes)`` of its nodes), read from ``path`` when that file was
     measured for the same key, else measured and written there.
 
     Args:
       key: what the table is for beyond the machine (model name, method and drafter shape);
-        the device kind, dtype, batch, context and buckets are added.
+        the rest is added (:func:`drafter_table_key`).
       path: the JSON file (default: ``costs/`` under specjax's cache root,
         :func:`specjax.io.gguf.cache_dir`, named by the key's hash).
       progress: optional callable ``(stage, n, seconds)`` after each measurement
         (:func:`loop_cost_table`); with a table read from disk it is never called.
+      reuse: False measures even where ``path`` holds a table for the same key.
     Returns:
       ``(table, measured)``: a :class:`specjax.harness.CostTable` and whether it was measured
       now.
@@ -460,12 +466,11 @@ def drafter_cost_table(cfg: ModelConfig, params: dict, drafter, dparams, *, batc
     from specjax import harness
 
     buckets = budget_buckets(drafter.n_nodes)
-    full_key = dict(key, device=jax.devices()[0].device_kind, dtype=cfg.dtype, batch=batch,
-                    context=context, buckets=list(buckets), method_version=METHOD_VERSION)
+    full_key = drafter_table_key(cfg, drafter, batch=batch, context=context, key=key)
     if path is None:
         digest = hashlib.sha256(json.dumps(full_key, sort_keys=True).encode()).hexdigest()[:16]
         path = gguf.cache_dir() / "costs" / f"{digest}.json"
-    if path.exists():
+    if path.exists() and reuse:
         try:
             table = harness.CostTable.from_json(path.read_text())
         except ValueError:

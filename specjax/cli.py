@@ -13,6 +13,45 @@ import time
 from pathlib import Path
 
 
+PLAIN_BUCKETS = "0,2,4,8,16,32"  # calibrate --method plain
+
+
+def _add_drafter_options(group):
+    """The options that size and load a drafter (``generate`` and ``calibrate`` share them, so
+    a table ``calibrate`` measures is the one ``generate`` reads)."""
+    group.add_argument("--draft-len", type=int, default=4,
+                       help="drafts per branch per cycle (default: %(default)s)")
+    group.add_argument("--branches", type=int, default=1,
+                       help="n-gram match chains per cycle, a tree when > 1 (default: "
+                            "%(default)s)")
+    group.add_argument("--draft-layers", type=int, default=4,
+                       help="target layers the self-speculative draft model keeps (default: "
+                            "%(default)s)")
+    group.add_argument("--drafter", default=None,
+                       help="an EAGLE or DFlash drafter directory in the official layout "
+                            "(config.json + model.safetensors or pytorch_model.bin; ours or a "
+                            "released one); default: the drafter shipped for --model in "
+                            "checkpoints/")
+    group.add_argument("--tree", choices=("dynamic", "chain", "sampled-chain"),
+                       default="dynamic",
+                       help="EAGLE drafting: an EAGLE-2 dynamic tree, a top-1 chain of "
+                            "--draft-len, or a chain sampled from the drafter (default: "
+                            "%(default)s)")
+    group.add_argument("--tree-nodes", type=int, default=16,
+                       help="dynamic tree or DDTree size, root included (default: %(default)s)")
+    group.add_argument("--tree-depth", type=int, default=5,
+                       help="dynamic tree draft calls per cycle (default: %(default)s)")
+    group.add_argument("--tree-top-k", type=int, default=4,
+                       help="dynamic tree children per expanded node (default: %(default)s)")
+    group.add_argument("--block", type=int, default=None,
+                       help="DFlash: the block drafted per pass, root included (default: the "
+                            "drafter's trained block size)")
+    group.add_argument("--draft-sample", action="store_true",
+                       help="DFlash chain at temperature > 0: draw each position from the "
+                            "drafter's processed marginal and verify with it as q, instead of "
+                            "proposing the argmax")
+
+
 def _add_generate(sub):
     p = sub.add_parser(
         "generate",
@@ -46,32 +85,7 @@ def _add_generate(sub):
                            "target's first --draft-layers layers, an EAGLE drafter, a DFlash "
                            "block drafter (a chain) or a DDTree over its block (default: "
                            "%(default)s)")
-    spec.add_argument("--draft-len", type=int, default=4, help="drafts per branch per cycle (default: %(default)s)")
-    spec.add_argument("--branches", type=int, default=1,
-                      help="n-gram match chains per cycle, a tree when > 1 (default: %(default)s)")
-    spec.add_argument("--draft-layers", type=int, default=4,
-                      help="target layers the self-speculative draft model keeps (default: %(default)s)")
-    spec.add_argument("--drafter", default=None,
-                      help="an EAGLE or DFlash drafter directory in the official layout "
-                           "(config.json + model.safetensors or pytorch_model.bin; ours or a "
-                           "released one); default: the drafter shipped for --model in "
-                           "checkpoints/")
-    spec.add_argument("--tree", choices=("dynamic", "chain", "sampled-chain"), default="dynamic",
-                      help="EAGLE drafting: an EAGLE-2 dynamic tree, a top-1 chain of "
-                           "--draft-len, or a chain sampled from the drafter (default: %(default)s)")
-    spec.add_argument("--tree-nodes", type=int, default=16,
-                      help="dynamic tree or DDTree size, root included (default: %(default)s)")
-    spec.add_argument("--tree-depth", type=int, default=5,
-                      help="dynamic tree draft calls per cycle (default: %(default)s)")
-    spec.add_argument("--tree-top-k", type=int, default=4,
-                      help="dynamic tree children per expanded node (default: %(default)s)")
-    spec.add_argument("--block", type=int, default=None,
-                      help="DFlash: the block drafted per pass, root included (default: the "
-                           "drafter's trained block size)")
-    spec.add_argument("--draft-sample", action="store_true",
-                      help="DFlash chain at temperature > 0: draw each position from the "
-                           "drafter's processed marginal and verify with it as q, instead of "
-                           "proposing the argmax")
+    _add_drafter_options(spec)
     spec.add_argument("--fixed-budget", action="store_true",
                       help="verify every drafted node each cycle, instead of the cost-aware "
                            "harness (which, by default, verifies only as many nodes as the "
@@ -150,37 +164,6 @@ def make_drafter(args, cfg, params):
     return None, None
 
 
-def budget_drafter(args, cfg, params):
-    """``n -> (drafter, drafter params)``: ``--method`` sized to a verify budget of n nodes
-    (root included), loading a checkpoint once; None for plain decoding."""
-    from specjax.targets import DecoderTarget
-
-    if args.method == "plain":
-        return None
-    if args.method == "ngram":
-        from specjax.drafters.ngram import NgramDrafter
-
-        return lambda n: (NgramDrafter.for_budget(n), None)
-    if args.method == "draft-model":
-        from specjax.drafters.draft_model import DraftModelDrafter
-
-        return lambda n: DraftModelDrafter.from_target_layers(cfg, params, args.draft_layers,
-                                                              draft_len=n - 1)
-    tgt = DecoderTarget(cfg)
-    if args.method in ("eagle3", "eagle1"):
-        from specjax.drafters import eagle
-
-        dcfg, dp = _eagle_weights(args, cfg, params)
-        return lambda n: (eagle.EagleDrafter(dcfg, tgt, eagle.DynamicTree(
-            n, min(args.tree_depth, n - 1), args.tree_top_k)), dp)
-    from specjax.drafters import dflash
-
-    dcfg, dp = _dflash_weights(args, cfg, params)
-    if args.method == "ddtree":
-        return lambda n: (dflash.DFlashDrafter(dcfg, tgt, dflash.DDTree(n)), dp)
-    return lambda n: (dflash.DFlashDrafter(dcfg, tgt, dflash.BlockChain(), n), dp)
-
-
 def _calibrate(args) -> int:
     import jax
     from tqdm import tqdm
@@ -188,31 +171,40 @@ def _calibrate(args) -> int:
     from specjax import calibrate, harness
     from specjax.io.models import load
 
-    buckets = sorted({int(n) for n in args.buckets.split(",")})
-    key = dict(model=args.model, method=args.method)
     out = Path(args.out)
+    if args.method != "plain":
+        if args.buckets is not None:
+            print("error: --buckets is for --method plain; a drafter's table has the buckets "
+                  "of its size, as 'specjax generate' verifies it (--draft-len, --tree-nodes, "
+                  "--block)", file=sys.stderr)
+            return 2
+        model = load(args.model, dtype=args.dtype)
+        drafter, drafter_params = make_drafter(args, model.cfg, model.params)
+        table, measured = _drafter_table(args, model, drafter, drafter_params, batch=args.batch,
+                                         context=args.context, path=out, reuse=not args.force)
+        if not measured:
+            print(f"{out} already holds this table (--force to measure again)", file=sys.stderr)
+        print(format_cost_table(table))
+        return 0
+    buckets = sorted({int(n) for n in (args.buckets or PLAIN_BUCKETS).split(",")})
+    key = dict(model=args.model, method=args.method)
     if out.exists() and not args.force:
         table = harness.CostTable.from_json(out.read_text())
         now = dict(key, dtype=args.dtype, batch=args.batch, context=args.context,
-                   device=jax.devices()[0].device_kind)
+                   device=jax.devices()[0].device_kind, method_version=calibrate.METHOD_VERSION)
         if table.matches(now) and list(table.buckets) == buckets:
             print(f"{out} already holds this table (--force to measure again)", file=sys.stderr)
             print(format_cost_table(table))
             return 0
     model = load(args.model, dtype=args.dtype)
-    drafter_at = budget_drafter(args, model.cfg, model.params)
-    # With a drafter: the drafting, the verify curve, the loop's largest cycle and plain step;
-    # without one, the verify passes.
-    steps = (calibrate.loop_table_points(buckets) if drafter_at else
-             len({1, *(n for n in buckets if n)}))
-    with tqdm(total=steps, unit="point", desc=f"calibrate {args.method}") as bar:
+    with tqdm(total=len({1, *(n for n in buckets if n)}), unit="point",
+              desc="calibrate plain") as bar:
         def progress(stage, n, seconds):
             bar.set_postfix_str(f"{stage} N={n}: {seconds * 1e3:.1f} ms")
             bar.update()
 
-        table = calibrate.measure_cost_table(model.cfg, model.params, buckets, drafter_at,
-                                             batch=args.batch, context=args.context, key=key,
-                                             progress=progress)
+        table = calibrate.measure_cost_table(model.cfg, model.params, buckets, batch=args.batch,
+                                             context=args.context, key=key, progress=progress)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(table.to_json())
     print(format_cost_table(table))
@@ -251,22 +243,21 @@ def _add_calibrate(sub):
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     p.add_argument("--method", choices=("plain", "ngram", "draft-model", "eagle3", "eagle1",
                                         "dflash", "ddtree"), default="plain",
-                   help="the drafter whose cost is measured at each budget (plain: verify "
-                        "costs only; default: %(default)s)")
-    p.add_argument("--drafter", default=None,
-                   help="EAGLE or DFlash drafter directory (default: the shipped one)")
-    p.add_argument("--draft-layers", type=int, default=4,
-                   help="draft-model: target layers kept (default: %(default)s)")
-    p.add_argument("--tree-depth", type=int, default=5,
-                   help="EAGLE dynamic tree draft calls per cycle (default: %(default)s)")
-    p.add_argument("--tree-top-k", type=int, default=4,
-                   help="EAGLE dynamic tree children per expanded node (default: %(default)s)")
-    p.add_argument("--buckets", default="0,2,4,8,16,32",
-                   help="budgets N, root included; 0 = a plain step (default: %(default)s)")
+                   help="the drafter whose costs are measured, built from the drafter options "
+                        "below as 'specjax generate' builds it (plain: verify costs only; "
+                        "default: %(default)s)")
+    p.add_argument("--buckets", default=None,
+                   help="--method plain: budgets N, root included; 0 = a plain step (default: "
+                        f"{PLAIN_BUCKETS}). A drafter's buckets follow its size: a plain "
+                        "step, the powers of two below it from 2, and its whole proposal")
     p.add_argument("--batch", type=int, default=1, help="rows per pass (default: %(default)s)")
     p.add_argument("--context", type=int, default=256,
-                   help="committed tokens in the cache (default: %(default)s)")
-    p.add_argument("--out", required=True, help="the JSON table to write")
+                   help="committed tokens in the cache; 'specjax generate' reads a table "
+                        "measured at its request's mid-generation length rounded up to a "
+                        "power of two, at least 256 (default: %(default)s)")
+    _add_drafter_options(p.add_argument_group("drafter (as 'specjax generate' takes it)"))
+    p.add_argument("--out", required=True,
+                   help="the JSON table to write ('specjax generate --cost-table' reads it)")
     p.add_argument("--force", action="store_true", help="measure even if --out already matches")
     p.set_defaults(func=_calibrate)
 
@@ -325,14 +316,41 @@ def _generate(args) -> int:
 def _cost_aware_budget(args, model, drafter, drafter_params, prompt_tokens: int, batch: int):
     """The harness's budget for this request: the cost table of ``drafter`` at this batch and
     context (cached, or measured now with a progress bar)."""
-    from tqdm import tqdm
-
     from specjax import calibrate
 
-    context = calibrate.cost_context(prompt_tokens, args.max_new_tokens)
+    table, measured = _drafter_table(
+        args, model, drafter, drafter_params, batch=batch,
+        context=calibrate.cost_context(prompt_tokens, args.max_new_tokens),
+        path=Path(args.cost_table) if args.cost_table else None)
+    if measured:
+        print(format_cost_table(table), file=sys.stderr)
+    return table.budget()
+
+
+def _drafter_table(args, model, drafter, drafter_params, *, batch: int, context: int,
+                   path: Path | None, reuse: bool = True):
+    """``(table, measured)``: the cost table of ``drafter`` (built from the drafter options)
+    at ``batch`` and ``context``, read from ``path`` (default: specjax's cache) when it was
+    measured for the same key, else measured with a progress bar and written there; a table
+    at an explicit ``path`` measured for other settings is replaced, with a note saying why.
+    ``reuse=False`` measures anyway."""
+    from tqdm import tqdm
+
+    from specjax import calibrate, harness
+
     key = dict(model=args.model, method=args.method, drafter=repr(drafter))
-    path = Path(args.cost_table) if args.cost_table else None
     buckets = calibrate.budget_buckets(drafter.n_nodes)
+    if path is not None and path.exists() and reuse:
+        want = calibrate.drafter_table_key(model.cfg, drafter, batch=batch, context=context,
+                                           key=key)
+        try:
+            differ = harness.CostTable.from_json(path.read_text()).mismatch(want)
+            why = "; ".join(f"{k} {have!r}, not {need!r}" for k, (have, need) in differ.items())
+        except ValueError as e:
+            why = str(e)
+        if why:
+            print(f"note: {path} holds no cost table for these settings ({why}): measuring "
+                  "it again there", file=sys.stderr)
     bar = None
 
     def progress(stage, n, seconds):
@@ -345,12 +363,10 @@ def _cost_aware_budget(args, model, drafter, drafter_params, prompt_tokens: int,
 
     table, measured = calibrate.drafter_cost_table(
         model.cfg, model.params, drafter, drafter_params, batch=batch, context=context,
-        key=key, path=path, progress=progress)
+        key=key, path=path, progress=progress, reuse=reuse)
     if bar is not None:
         bar.close()
-    if measured:
-        print(format_cost_table(table), file=sys.stderr)
-    return table.budget()
+    return table, measured
 
 
 def _task_range(text: str) -> tuple[int, int]:

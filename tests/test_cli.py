@@ -207,24 +207,42 @@ def test_model_without_tokenizer_is_an_error(hf_qwen3_dir, capsys):
 
 
 def test_calibrate_writes_a_cost_table_and_reuses_it(cli_model, tmp_path, capsys):
-    """``specjax calibrate``: verify and draft costs per bucket into JSON; a second call with
-    the same settings reads it back instead of measuring."""
+    """``specjax calibrate``: a drafter's costs per bucket into JSON; a second call with the
+    same settings reads it back instead of measuring, and so does ``specjax generate
+    --cost-table`` with the same drafter options at that context."""
     from specjax import harness
 
     path, _ = cli_model
     out = tmp_path / "costs.json"
-    argv = ("calibrate", "--model", str(path), "--method", "draft-model", "--draft-layers", "1",
-            "--buckets", "0,2,4", "--context", "32", "--out", str(out))
+    drafter = ("--method", "draft-model", "--draft-layers", "1", "--draft-len", "3")
+    argv = ("calibrate", "--model", str(path), *drafter, "--context", "256", "--out", str(out))
     rc, text, _ = _run(capsys, *argv)
     assert rc == 0
     table = harness.CostTable.from_json(out.read_text())
+    # A plain step and the powers of two up to the drafter's 4 nodes, root included.
     assert table.buckets == (0, 2, 4) and table.draft_s[0] == 0 and min(table.draft_s[1:]) > 0
     assert min(table.verify_s) > 0
-    assert table.key["method"] == "draft-model" and table.key["context"] == 32
+    assert table.key["method"] == "draft-model" and table.key["context"] == 256
     assert [line.split()[0] for line in text.splitlines()[1:]] == ["plain", "2", "4"]
     rc, again, err = _run(capsys, *argv)
     assert rc == 0 and "already holds this table" in err and again == text
-    rc, _, err = _run(capsys, *argv[:-2], "--out", str(tmp_path / "bad.json"), "--buckets", "0,1",
+    written = out.read_text()
+    # A short prompt's generation prices its cycles at context 256: the table is read.
+    rc, _, err = _run(capsys, "generate", "--model", str(path), "--prompt", PROMPT,
+                      "--max-new-tokens", "8", *drafter, "--cost-table", str(out))
+    assert rc == 0 and "measuring costs" not in err and "break-even tau" not in err, err
+    assert out.read_text() == written
+    rc, _, err = _run(capsys, *argv, "--buckets", "0,2")
+    assert rc == 2 and "--buckets is for --method plain" in err
+    # Plain: the verify passes alone, at the buckets asked for.
+    plain = ("calibrate", "--model", str(path), "--buckets", "0,2", "--context", "32", "--out",
+             str(tmp_path / "plain.json"))
+    rc, text, _ = _run(capsys, *plain)
+    table = harness.CostTable.from_json((tmp_path / "plain.json").read_text())
+    assert rc == 0 and table.buckets == (0, 2) and table.draft_s == (0.0, 0.0)
+    rc, again, err = _run(capsys, *plain)
+    assert rc == 0 and "already holds this table" in err and again == text
+    rc, _, err = _run(capsys, *argv[:-2], "--out", str(tmp_path / "bad.json"),
                       "--method", "dflash", "--drafter", str(tmp_path / "none"))
     assert rc == 2 and "error:" in err
 
