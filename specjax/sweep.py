@@ -27,9 +27,11 @@ rate. A faster method at a cheaper precision is then compared with the fastest p
 at any precision, measured beside it, not only with plain decoding at its own.
 
 **Gates carried.** A cost-aware method whose budget is gated (:class:`specjax.harness.Gate`)
-goes on from the gate its previous request left (the warm-up run included), through every set
-and temperature of one batch size and context, as a server would: a drafter that does not pay
-is probed once per run of plain steps, not again at the start of every request.
+goes on from the gate its previous request at the same temperature left (the warm-up run
+included), through every set of one batch size and context, as a server would: a drafter that
+does not pay is probed once per run of plain steps, not again at the start of every request.
+Each temperature has its gate, since the gate's calibration of the drafter's confidences
+depends on it.
 
 **Time split.** A cycle's time is split by separately jitted measurements of its stages: the
 drafter's ``propose`` alone (:func:`specjax.calibrate.measure_draft_cost`), and a verify pass
@@ -223,7 +225,8 @@ def run(model, prompt_sets: Mapping[str, Sequence[str]], method_list: Sequence[M
             int(np.mean([len(p) for ids in encoded.values() for p in ids])), max_new_tokens)
         # One verify curve per batch size and context, for the time split.
         curve, draft_ms, budgets = None, {}, {}
-        # Each gated method's draft gate, carried from request to request as a server would.
+        # Each gated method's draft gate per temperature (what a drafter's confidences predict
+        # depends on it), carried from request to request as a server would.
         gates = {}
         if latency and any(m.drafter is not None for m in method_list):
             curve = calibrate.measure_verify_costs(cfg, params, nodes, context=context, batch=b)
@@ -257,9 +260,9 @@ def run(model, prompt_sets: Mapping[str, Sequence[str]], method_list: Sequence[M
                     def call(req, n, m=m, kw=kw):
                         """``m`` on ``req`` for ``n`` new tokens, going on from its gate."""
                         r = api.generate_tokens(cfg, params, req, max_new_tokens=n,
-                                                gate=gates.get(m.name), **kw)
+                                                gate=gates.get((m.name, t)), **kw)
                         if r.gate is not None:
-                            gates[m.name] = r.gate
+                            gates[m.name, t] = r.gate
                         return r
 
                     warm = call(reqs[0], max_new_tokens)
