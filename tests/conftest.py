@@ -20,6 +20,12 @@ import pytest
 _ROOT = Path(__file__).resolve().parent.parent
 sys.path[:] = [p for p in sys.path if Path(p or os.curdir).resolve() != _ROOT]
 
+# The tests run tiny models, whose compiles cost far more than their runs: XLA skips most of its
+# optimization work (LLVM at -O0, no expensive passes), through JAX's own flag, read when jax is
+# first imported (so here, before any test module imports it; notebook kernels inherit it).
+# Benchmarks and users get the optimized default.
+os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
+
 # Tiny HF models: big enough to exercise GQA, two layers and RoPE, small enough to build in ms.
 TINY_HF = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                num_attention_heads=4, num_key_value_heads=2, head_dim=16)
