@@ -446,7 +446,7 @@ def drafter_table_key(cfg: ModelConfig, drafter, *, batch: int, context: int,
 
 def drafter_cost_table(cfg: ModelConfig, params: dict, drafter, dparams, *, batch: int,
                        context: int, key: dict, path: Path | None = None, progress=None,
-                       reuse: bool = True):
+                       reuse: bool = True, replacing=None):
     """The cost table of ``drafter`` as it stands (sized once; the loop verifies the first
     ``budget_buckets(drafter.n_nodes)`` of its nodes), read from ``path`` when that file was
     measured for the same key, else measured and written there.
@@ -459,6 +459,9 @@ def drafter_cost_table(cfg: ModelConfig, params: dict, drafter, dparams, *, batc
       progress: optional callable ``(stage, n, seconds)`` after each measurement
         (:func:`loop_cost_table`); with a table read from disk it is never called.
       reuse: False measures even where ``path`` holds a table for the same key.
+      replacing: optional callable ``(why)`` before a file at ``path`` that holds no table for
+        this key is measured again: ``why`` names the differing key entries (``"batch 1, not
+        4"``), or says the file is not a cost table.
     Returns:
       ``(table, measured)``: a :class:`specjax.harness.CostTable` and whether it was measured
       now.
@@ -473,10 +476,15 @@ def drafter_cost_table(cfg: ModelConfig, params: dict, drafter, dparams, *, batc
     if path.exists() and reuse:
         try:
             table = harness.CostTable.from_json(path.read_text())
-        except ValueError:
-            table = None  # unreadable: measured again and rewritten
-        if table is not None and table.matches(full_key):
-            return table, False
+        except ValueError as e:
+            why = str(e)
+        else:
+            differ = table.mismatch(full_key)
+            if not differ:
+                return table, False
+            why = "; ".join(f"{k} {have!r}, not {need!r}" for k, (have, need) in differ.items())
+        if replacing is not None:
+            replacing(why)
     table = loop_cost_table(cfg, params, drafter, dparams, buckets, batch=batch,
                             context=context, key=full_key, progress=progress)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -336,21 +336,16 @@ def _drafter_table(args, model, drafter, drafter_params, *, batch: int, context:
     ``reuse=False`` measures anyway."""
     from tqdm import tqdm
 
-    from specjax import calibrate, harness
+    from specjax import calibrate
 
     key = dict(model=args.model, method=args.method, drafter=repr(drafter))
     buckets = calibrate.budget_buckets(drafter.n_nodes)
-    if path is not None and path.exists() and reuse:
-        want = calibrate.drafter_table_key(model.cfg, drafter, batch=batch, context=context,
-                                           key=key)
-        try:
-            differ = harness.CostTable.from_json(path.read_text()).mismatch(want)
-            why = "; ".join(f"{k} {have!r}, not {need!r}" for k, (have, need) in differ.items())
-        except ValueError as e:
-            why = str(e)
-        if why:
+
+    def replacing(why):
+        if path is not None:
             print(f"note: {path} holds no cost table for these settings ({why}): measuring "
                   "it again there", file=sys.stderr)
+
     bar = None
 
     def progress(stage, n, seconds):
@@ -363,7 +358,7 @@ def _drafter_table(args, model, drafter, drafter_params, *, batch: int, context:
 
     table, measured = calibrate.drafter_cost_table(
         model.cfg, model.params, drafter, drafter_params, batch=batch, context=context,
-        key=key, path=path, progress=progress, reuse=reuse)
+        key=key, path=path, progress=progress, reuse=reuse, replacing=replacing)
     if bar is not None:
         bar.close()
     return table, measured

@@ -232,6 +232,13 @@ def test_calibrate_writes_a_cost_table_and_reuses_it(cli_model, tmp_path, capsys
                       "--max-new-tokens", "8", *drafter, "--cost-table", str(out))
     assert rc == 0 and "measuring costs" not in err and "break-even tau" not in err, err
     assert out.read_text() == written
+    # Other drafter options: the file is measured again for them, with a note naming why.
+    rc, _, err = _run(capsys, "generate", "--model", str(path), "--prompt", PROMPT,
+                      "--max-new-tokens", "8", *drafter[:-1], "1", "--cost-table", str(out))
+    note = [line for line in err.splitlines() if line.startswith("note:")]
+    assert rc == 0 and len(note) == 1, err
+    assert f"{out} holds no cost table for these settings (drafter " in note[0]
+    assert harness.CostTable.from_json(out.read_text()).buckets == (0, 2)
     rc, _, err = _run(capsys, *argv, "--buckets", "0,2")
     assert rc == 2 and "--buckets is for --method plain" in err
     # Plain: the verify passes alone, at the buckets asked for.
