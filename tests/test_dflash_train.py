@@ -88,6 +88,50 @@ def test_loss_weights_by_position():
                                rtol=1e-6)
 
 
+@pytest.mark.parametrize("mask_token, sliding", [(None, False), (60, True)],
+                         ids=["learned-mask-full", "token-mask-causal-sliding"])
+def test_the_training_pass_predicts_what_the_decoding_loop_drafts(mask_token, sliding):
+    """Two records packed in one row, an anchor in each: the training pass's block outputs
+    give the logits the loop's drafter computes after a fresh prefill of the record cut
+    before the anchor, with the anchor as the root (train == inference: taps, context
+    positions, block positions, masks)."""
+    from specjax.drafters.base import Prefill
+    from specjax.models import target
+    from specjax.targets import DecoderTarget
+
+    params = target.init_params(TINY, 3, scale=0.5)
+    cfg = DFlashConfig.for_target(TINY, n_layers=2, block_size=5, n_taps=2)
+    if sliding:
+        cfg = dataclasses.replace(cfg, mask_token_id=mask_token,
+                                  layer_types=("sliding_attention", "full_attention"),
+                                  sliding_window=5)
+    own = dflash.init_params(cfg, 4, scale=0.3)
+    records = [[7, 3, 9, 12, 40, 5, 5, 18, 2], [11, 60, 33, 4, 4, 27, 8, 1, 19, 23]]
+    anchors = [(0, 6), (1, 4)]  # (record, index in it)
+    tokens = sum(records, [])
+    batch = {"tokens": jnp.asarray([tokens], jnp.int32),
+             "segment_ids": jnp.asarray([[r for r, x in enumerate(records) for _ in x]],
+                                        jnp.int32),
+             "positions": jnp.asarray([[i for x in records for i in range(len(x))]], jnp.int32)}
+    starts = [0, len(records[0])]
+    where = jnp.asarray([[starts[r] + i for r, i in anchors]], jnp.int32)
+    model = dflash_train.DFlashModule(cfg, own, TINY, params)
+    tgt = DecoderTarget(TINY)
+    trained = tgt.lm_head(params, dflash_train.block_outputs(model, batch, where)[0])
+
+    drafter = dflash.DFlashDrafter(cfg, tgt)
+    dp = dflash.drafter_params(own, params)
+    for j, (r, i) in enumerate(anchors):
+        seen = jnp.asarray([records[r][:i]], jnp.int32)
+        seen_len = jnp.asarray([i], jnp.int32)
+        _, taps, _ = target.prefill(params, TINY, seen, seen_len, 32, drafter.taps)
+        root = jnp.asarray([records[r][i]], jnp.int32)
+        state = drafter.init(dp, Prefill(seen, seen_len, taps, root, 32))
+        drafted = np.asarray(drafter.block_logits(dp, state, root))[0]  # [Bk - 1, V]
+        np.testing.assert_allclose(np.asarray(trained[j]), drafted, rtol=1e-4,
+                                   atol=1e-4 * np.abs(drafted).max())
+
+
 def _train(records, tmp_path, steps, name, **kw):
     dev, train_records = evaluate.hold_out(records, 4)
     source = loop.PackedSource(train_records, seq_len=SEQ_LEN, batch_size=4, seed=0)

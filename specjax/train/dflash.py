@@ -124,6 +124,43 @@ def dpace_weights(ce: jax.Array, valid: jax.Array, alpha: float = 0.5) -> jax.Ar
     return jnp.where(valid, w, 0.0)
 
 
+def block_outputs(model: DFlashModule, batch: dict, anchors: jax.Array) -> jax.Array:
+    """The drafter's final normed outputs on the blocks opened at ``anchors``, all in one pass
+    with the module docstring's attention: what the decoding loop's
+    :meth:`~specjax.drafters.dflash.DFlashDrafter.block_logits` computes (before the head) for
+    the same record cut before its anchor.
+
+    Args:
+      model: the drafter and its frozen target.
+      batch: packed batch (:func:`specjax.train.data.pack`): ``tokens``, ``segment_ids`` and
+        ``positions`` [B, T] int32.
+      anchors: [B, A] int32 anchor indices into the rows, sorted.
+    Returns:
+      [B, A, Bk - 1, D] the outputs at block positions 1..Bk-1.
+    """
+    cfg, own, tp, tcfg = model.cfg, model.own_params(), model.target_params(), model.target_cfg
+    tokens, seg, pos = batch["tokens"], batch["segment_ids"], batch["positions"]
+    bk = cfg.block_size
+    b, a = anchors.shape
+    _, taps = target.encode(tp, tcfg, tokens, pos, seg, cfg.taps)
+    ctx = dflash.context(cfg, own, jax.lax.stop_gradient(taps))  # [B, T, D]
+    offs = jnp.arange(bk, dtype=jnp.int32)
+    block_pos = (jnp.take_along_axis(pos, anchors, axis=1)[:, :, None] + offs).reshape(b, a * bk)
+    roots = jnp.take_along_axis(tokens, anchors, axis=1).reshape(-1)  # [B * A]
+    h = dflash.embed_block(cfg, DecoderTarget(tcfg), dflash.drafter_params(own, tp), roots, bk)
+    h = h.reshape(b, a * bk, cfg.d_model)
+    cos, sin = layers.rope_tables(cfg.layer, pos)
+    rules = [training_rules(cfg, i, anchors, seg, pos, block_pos, bk)
+             for i in range(cfg.layer.n_layers)]
+
+    def context_block(i):
+        k, v = dflash.context_kv(cfg, own["layers"][i], ctx, cos, sin)
+        return attn.KeyBlock(k, v, rules[i][0])
+
+    out = dflash.draft_layers(cfg, own, h, block_pos, context_block, lambda i: rules[i][1])
+    return out.reshape(b, a, bk, cfg.d_model)[:, :, 1:]
+
+
 def block_loss(model: DFlashModule, batch: dict, rng: jax.Array, *, n_anchors: int = 64,
                gamma: float | None = None, dpace: bool = False):
     """The DFlash training loss of a packed batch (module docstring).
@@ -141,33 +178,16 @@ def block_loss(model: DFlashModule, batch: dict, rng: jax.Array, *, n_anchors: i
       number of leading block positions whose top-1 is the label (a chain's τ - 1),
       "loss_tokens": labels scored})``.
     """
-    cfg, own, tp, tcfg = model.cfg, model.own_params(), model.target_params(), model.target_cfg
-    tokens, seg, pos = batch["tokens"], batch["segment_ids"], batch["positions"]
+    cfg, tp, tcfg = model.cfg, model.target_params(), model.target_cfg
+    tokens, seg = batch["tokens"], batch["segment_ids"]
     mask = batch["loss_mask"].astype(bool)
     bk = cfg.block_size
     b, t = tokens.shape
-    _, taps = target.encode(tp, tcfg, tokens, pos, seg, cfg.taps)
-    ctx = dflash.context(cfg, own, jax.lax.stop_gradient(taps))  # [B, T, D]
     anchors, ok = sample_anchors(rng, mask, seg, n_anchors)  # [B, A]
     a = anchors.shape[1]
-    offs = jnp.arange(bk, dtype=jnp.int32)
-    block_pos = (jnp.take_along_axis(pos, anchors, axis=1)[:, :, None] + offs).reshape(b, a * bk)
-    tgt = DecoderTarget(tcfg)
-    roots = jnp.take_along_axis(tokens, anchors, axis=1).reshape(-1)  # [B * A]
-    h = dflash.embed_block(cfg, tgt, dflash.drafter_params(own, tp), roots, bk)
-    h = h.reshape(b, a * bk, cfg.d_model)
-    cos, sin = layers.rope_tables(cfg.layer, pos)
-    rules = [training_rules(cfg, i, anchors, seg, pos, block_pos, bk)
-             for i in range(cfg.layer.n_layers)]
-
-    def context_block(i):
-        k, v = dflash.context_kv(cfg, own["layers"][i], ctx, cos, sin)
-        return attn.KeyBlock(k, v, rules[i][0])
-
-    out = dflash.draft_layers(cfg, own, h, block_pos, context_block, lambda i: rules[i][1])
-    out = out.reshape(b, a, bk, cfg.d_model)[:, :, 1:]  # [B, A, Bk - 1, D]
+    out = block_outputs(model, batch, anchors)  # [B, A, Bk - 1, D]
     # Labels token[a + k], supervised while they stay response tokens of the anchor's record.
-    idx = anchors[:, :, None] + offs[None, None, 1:]  # [B, A, Bk - 1]
+    idx = anchors[:, :, None] + jnp.arange(1, bk, dtype=jnp.int32)  # [B, A, Bk - 1]
     inside = idx < t
     idx_c = jnp.minimum(idx, t - 1).reshape(b, -1)
     take = lambda x: jnp.take_along_axis(x, idx_c, axis=1).reshape(b, a, bk - 1)  # noqa: E731
