@@ -41,6 +41,53 @@ def test_training_time_test_attention_matches_the_docstring():
     np.testing.assert_array_equal(got, drawn)
 
 
+def test_the_training_time_test_predicts_what_the_decoding_loop_drafts():
+    """Two records packed in one row: step s of the training-time test at index j gives the
+    logits the loop's drafter computes, after a fresh prefill of the record up to j with root
+    token j + 1, for the depth-s node of the chain of the record's next tokens (train ==
+    inference: pairs, RoPE positions, the diagonal ancestry, the reduced vocabulary)."""
+    from specjax.drafters.base import Prefill
+    from specjax.models import target
+    from specjax.targets import DecoderTarget
+
+    params = target.init_params(TINY, 3, scale=0.5)
+    cfg = eagle.EagleConfig.eagle3(TINY, draft_vocab_size=40)
+    own = eagle.init_params(cfg, 4, scale=0.3)
+    counts = np.random.default_rng(0).integers(0, 100, TINY.vocab_size)
+    own["d2t"] = jnp.asarray(eagle.draft_vocab(counts, 40))
+    records = [[7, 3, 9, 12, 40, 5, 5, 18, 2], [11, 60, 33, 4, 4, 27, 8, 1, 19, 23]]
+    where = [(0, 3), (1, 5)]  # (record, index j in it)
+    steps = 3
+    batch = {"tokens": jnp.asarray([sum(records, [])], jnp.int32),
+             "segment_ids": jnp.asarray([[r for r, x in enumerate(records) for _ in x]],
+                                        jnp.int32),
+             "positions": jnp.asarray([[i for x in records for i in range(len(x))]], jnp.int32)}
+    model = eagle_train.EagleModule(cfg, own, TINY, params)
+    trained = [np.asarray(x[0]) for x in eagle_train.ttt_logits(model, batch, steps)]
+
+    tgt = DecoderTarget(TINY)
+    drafter = eagle.EagleDrafter(cfg, tgt)
+    dp = eagle.drafter_params(own, params)
+    starts = [0, len(records[0])]
+    for r, j in where:
+        rec = records[r]
+        seen, seen_len = jnp.asarray([rec[:j + 1]], jnp.int32), jnp.asarray([j + 1], jnp.int32)
+        _, taps, _ = target.prefill(params, TINY, seen, seen_len, 32, drafter.taps)
+        root = jnp.asarray([rec[j + 1]], jnp.int32)
+        state = drafter.init(dp, Prefill(seen, seen_len, taps, root, 32))
+        node_step = drafter._node_step(dp, state, steps - 1)
+        logits, out = eagle.draft_logits(cfg, tgt, dp, state.last), state.last  # depth 0
+        for s in range(steps):
+            want = np.asarray(logits)[0]
+            np.testing.assert_allclose(trained[s][starts[r] + j], want, rtol=1e-4,
+                                       atol=1e-4 * np.abs(want).max(), err_msg=f"step {s}")
+            if s + 1 < steps:  # the depth-(s + 1) node: token j + 2 + s, its chain visible
+                visible = jnp.asarray(np.tril(np.ones((steps - 1,) * 2, bool))[s][None, None])
+                logits, out = node_step(s, out[:, None], jnp.asarray([[rec[j + 2 + s]]]),
+                                        visible, s)
+                logits, out = logits[:, 0], out[:, 0]
+
+
 def _train(records, tmp_path, version, steps, **kw):
     dev, train_records = evaluate.hold_out(records, 4)
     source = loop.PackedSource(train_records, seq_len=SEQ_LEN, batch_size=4, seed=0)

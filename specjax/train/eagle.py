@@ -110,6 +110,45 @@ def _valid(batch: dict, ahead: int) -> jax.Array:
             & (jnp.arange(seg.shape[1]) < seg.shape[1] - ahead)[None])
 
 
+def ttt_logits(model: EagleModule, batch: dict, steps: int,
+               taps: jax.Array | None = None) -> list[jax.Array]:
+    """The draft logits of the training-time test's unrolled steps (module docstring): step s
+    at index j is what the decoding loop's drafter computes for the depth-s node of the path
+    ``token[j + 2 .. j + 1 + s]`` after the pairs up to position j, the root token j + 1.
+
+    Args:
+      model: the drafter and its frozen target.
+      batch: packed batch (:func:`specjax.train.data.pack`): ``tokens``, ``segment_ids`` and
+        ``positions`` [B, T] int32.
+      steps: unrolled draft steps.
+      taps: [B, T, n, E] the target's taps of the batch (default: computed).
+    Returns:
+      ``steps`` arrays [B, T, Vd] of logits over the draft vocabulary.
+    """
+    cfg, own, tp = model.cfg, model.own_params(), model.target_params()
+    tgt = DecoderTarget(model.target_cfg)
+    params = eagle.drafter_params(own, tp)
+    tokens, seg = batch["tokens"], batch["segment_ids"]
+    if taps is None:
+        _, taps = _target_pass(model, batch)
+    b, t = tokens.shape
+    base_rule = attn.Intersect((attn.Causal(), attn.Segments(seg, seg)))
+    h = taps.reshape(b, t, -1)
+    from_target = True
+    blocks, out = [], []
+    for s in range(steps):
+        x, residual = eagle.layer_inputs(cfg, tgt, params, _shift(tokens, 1 + s), h, from_target)
+        from_target = False
+
+        def blocks_of(k_rows, v_rows, s=s):
+            blocks.append(attn.KeyBlock(k_rows, v_rows, base_rule if s == 0 else attn.Diagonal()))
+            return list(blocks)
+
+        h, _, _ = eagle.decoder_layer(cfg, own, x, residual, batch["positions"] + s, blocks_of)
+        out.append(eagle.draft_logits(cfg, tgt, params, h))
+    return out
+
+
 def ttt_loss(model: EagleModule, batch: dict, rng: jax.Array, *, steps: int = 7,
              decay: float = 0.8):
     """EAGLE-3's training-time-test loss (module docstring).
@@ -127,11 +166,7 @@ def ttt_loss(model: EagleModule, batch: dict, rng: jax.Array, *, steps: int = 7,
     """
     del rng
     cfg, own, tp, tcfg = model.cfg, model.own_params(), model.target_params(), model.target_cfg
-    tgt = DecoderTarget(tcfg)
-    params = eagle.drafter_params(own, tp)
-    tokens, seg = batch["tokens"], batch["segment_ids"]
     hidden, taps = _target_pass(model, batch)
-    b, t = tokens.shape
     used = jnp.arange(cfg.draft_vocab_size) + own["d2t"]  # [Vd] target ids
     in_vocab = jnp.zeros((cfg.target_vocab_size,), bool).at[used].set(True)
 
@@ -140,21 +175,9 @@ def ttt_loss(model: EagleModule, batch: dict, rng: jax.Array, *, steps: int = 7,
         return jax.nn.softmax(logits[..., used], axis=-1), in_vocab[jnp.argmax(logits, -1)]
 
     p_draft, usable = jax.lax.stop_gradient(_chunked(labels, hidden))  # [B, T, Vd], [B, T]
-    base_rule = attn.Intersect((attn.Causal(), attn.Segments(seg, seg)))
-    h = taps.reshape(b, t, -1)
-    from_target = True
-    blocks = []
     total, metrics = 0.0, {}
-    for s in range(steps):
-        x, residual = eagle.layer_inputs(cfg, tgt, params, _shift(tokens, 1 + s), h, from_target)
-        from_target = False
-
-        def blocks_of(k_rows, v_rows, s=s):
-            blocks.append(attn.KeyBlock(k_rows, v_rows, base_rule if s == 0 else attn.Diagonal()))
-            return list(blocks)
-
-        h, _, _ = eagle.decoder_layer(cfg, own, x, residual, batch["positions"] + s, blocks_of)
-        logq = jax.nn.log_softmax(eagle.draft_logits(cfg, tgt, params, h), axis=-1)  # [B, T, Vd]
+    for s, logits in enumerate(ttt_logits(model, batch, steps, taps)):
+        logq = jax.nn.log_softmax(logits, axis=-1)  # [B, T, Vd]
         p = _shift(p_draft, 1 + s)
         weight = (_valid(batch, 2 + s) & _shift(usable, 1 + s)).astype(jnp.float32)  # [B, T]
         n = jnp.maximum(weight.sum(), 1.0)
