@@ -56,7 +56,7 @@ plain steps it is in before drafting again. A drafter whose draft time is neglig
 missed.
 
 Costs are measured (``specjax calibrate``) into a :class:`CostTable` JSON, reused while the
-machine, model, dtype and batch stay the same; its :meth:`CostTable.budget` is what
+machine, model, dtype, batch, context, drafter and measuring method stay the same; its :meth:`CostTable.budget` is what
 ``decode.speculative_generate(budget=...)`` takes. The loop compiles once per bucket set and
 gate; the costs are traced, so another cost table reuses the compiled loop.
 """
@@ -80,8 +80,9 @@ class CostTable:
       buckets: budgets N (verify nodes, root included), ascending; 0 = a plain step.
       verify_s: seconds of the verify pass of each bucket (bucket 0: the plain step).
       draft_s: seconds of drafting at each bucket (0 for bucket 0).
-      key: what the costs were measured for (device kind, model, dtype, batch, context);
-        a table is reused only where it matches.
+      key: what the costs were measured for (device kind, model, dtype, batch, context,
+        method version; with a drafter its method, shape and buckets); a table is reused only
+        where it matches.
     """
 
     buckets: tuple[int, ...]
@@ -139,7 +140,8 @@ class CostTable:
 class Budget:
     """Cost-aware budgets as the decoding loop takes them: each cycle it verifies the first
     ``buckets[k]`` nodes of the proposal (bucket 0: the root alone, a plain step) for the k
-    that :func:`choose_bucket` picks from the proposal's confidences.
+    that :func:`best_bucket` picks from the running rows' expected tokens (the proposal's
+    confidences, scaled by the gate's calibration).
 
     A pytree: the buckets and ``gated`` are its structure (what the loop compiles in), the
     costs its leaves (traced), so budgets that differ only in their costs share one compiled

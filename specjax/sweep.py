@@ -4,8 +4,9 @@ temperatures x batch sizes x context lengths, one record per cell.
 A cell runs every request of one prompt set (its prompts cycled to fill batches of the cell's
 size) through one method, twice per request and the faster kept (``repeats``): the whole
 generation, and a one-token generation whose time is the time to first token (prefill plus the
-first sample, and the drafter's ``init``). The rest of a request's time, divided by its rows'
-tokens past the first, is its time per output token; percentiles run over the requests.
+first sample, and the drafter's ``init``). The rest of a request's time, divided by its
+longest row's tokens past the first, is its time per output token; percentiles run over the
+requests.
 
 **Speedup, paired.** Plain decoding runs first in every (set, temperature, batch, context)
 group: its record, and the tokens greedy cells are compared with. Every other cell times plain
