@@ -229,8 +229,9 @@ def _add_calibrate(sub):
         help="measure verify and draft costs per budget into a JSON table",
         description="Measure, on this machine, what a cycle costs at each budget bucket N "
                     "(0 = a plain step) into a cost table (JSON), reused while machine, model, "
-                    "dtype, batch, context and drafter options stay the same. With a drafter the largest "
-                    "bucket's cycle and the plain step are timed inside the decoding loop and "
+                    "dtype, batch, context and drafter options stay the same. With a drafter "
+                    "the largest bucket's cycle and the plain step are timed inside the "
+                    "decoding loop and "
                     "the smaller buckets scaled from it by the verify curve (verify = the "
                     "cycle less the drafting); "
                     "with --method plain, the verify passes T_verify(N) alone. The break-even "

@@ -56,9 +56,10 @@ plain steps it is in before drafting again. A drafter whose draft time is neglig
 missed.
 
 Costs are measured (``specjax calibrate``) into a :class:`CostTable` JSON, reused while the
-machine, model, dtype, batch, context, drafter and measuring method stay the same; its :meth:`CostTable.budget` is what
-``decode.speculative_generate(budget=...)`` takes. The loop compiles once per bucket set and
-gate; the costs are traced, so another cost table reuses the compiled loop.
+machine, model, dtype, batch, context, drafter and measuring method stay the same; its
+:meth:`CostTable.budget` is what ``decode.speculative_generate(budget=...)`` takes. The loop
+compiles once per bucket set and gate; the costs are traced, so another cost table reuses the
+compiled loop.
 """
 
 from __future__ import annotations
