@@ -343,9 +343,8 @@ def _drafter_table(args, model, drafter, drafter_params, *, batch: int, context:
     buckets = calibrate.budget_buckets(drafter.n_nodes)
 
     def replacing(why):
-        if path is not None:
-            print(f"note: {path} holds no cost table for these settings ({why}): measuring "
-                  "it again there", file=sys.stderr)
+        print(f"note: {path} holds no cost table for these settings ({why}): measuring it "
+              "again there", file=sys.stderr)
 
     bar = None
 
@@ -359,7 +358,8 @@ def _drafter_table(args, model, drafter, drafter_params, *, batch: int, context:
 
     table, measured = calibrate.drafter_cost_table(
         model.cfg, model.params, drafter, drafter_params, batch=batch, context=context,
-        key=key, path=path, progress=progress, reuse=reuse, replacing=replacing)
+        key=key, path=path, progress=progress, reuse=reuse,
+        replacing=None if path is None else replacing)
     if bar is not None:
         bar.close()
     return table, measured

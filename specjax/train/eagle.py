@@ -134,11 +134,9 @@ def ttt_logits(model: EagleModule, batch: dict, steps: int,
     b, t = tokens.shape
     base_rule = attn.Intersect((attn.Causal(), attn.Segments(seg, seg)))
     h = taps.reshape(b, t, -1)
-    from_target = True
     blocks, out = [], []
     for s in range(steps):
-        x, residual = eagle.layer_inputs(cfg, tgt, params, _shift(tokens, 1 + s), h, from_target)
-        from_target = False
+        x, residual = eagle.layer_inputs(cfg, tgt, params, _shift(tokens, 1 + s), h, s == 0)
 
         def blocks_of(k_rows, v_rows, s=s):
             blocks.append(attn.KeyBlock(k_rows, v_rows, base_rule if s == 0 else attn.Diagonal()))
