@@ -623,6 +623,9 @@ def _add_train(sub):
                    help="position decay of the loss (default: 7 / 5 / 4 for block 16 / 10 / 8)")
     f.add_argument("--dpace", action="store_true",
                    help="adaptive D-PACE position weights instead of the decay")
+    f.add_argument("--scored", type=int, default=None, metavar="K",
+                   help="score block positions 1..K only (the head over the block is most of "
+                        "a step; default: all of them)")
     _train_args(f, lr=6e-4)
     f.set_defaults(func=_train_dflash, warmup=0.04)
 
@@ -701,7 +704,8 @@ def _train_dflash(args) -> int:
                                  "its shape")
     result, drafter, own = dflash.train(
         model.cfg, model.params, source, cfg, dcfg,
-        recipe=dflash.Recipe(n_anchors=args.anchors, gamma=args.gamma, dpace=args.dpace),
+        recipe=dflash.Recipe(n_anchors=args.anchors, gamma=args.gamma, dpace=args.dpace,
+                             scored=args.scored),
         dev_prompts=dev, eval_tokens=args.eval_tokens, seed=args.seed, init=init,
         stop_tokens=model.tokenizer.eos_ids if model.tokenizer else (),
         progress=not args.no_progress)

@@ -132,6 +132,35 @@ def test_the_training_pass_predicts_what_the_decoding_loop_drafts(mask_token, sl
                                    atol=1e-4 * np.abs(drafted).max())
 
 
+def test_a_loss_that_scores_the_first_positions_only(records):
+    """``scored=1`` scores block position 1 alone: its loss is the mean cross-entropy of the
+    position-1 labels under the head over the training pass's outputs, and it scores the same
+    blocks and agreement as the full loss (the same anchors)."""
+    from specjax.targets import DecoderTarget
+
+    cfg = DFlashConfig.for_target(TINY, n_layers=1, block_size=4, n_taps=2)
+    model = dflash_train.DFlashModule(cfg, dflash.init_params(cfg, 2, scale=0.3), TINY, PARAMS)
+    source = loop.PackedSource(records, seq_len=SEQ_LEN, batch_size=2, seed=0)
+    batch = {k: jnp.asarray(v) for k, v in source.next().items()}
+    rng = jax.random.key(5)
+    full_loss, full = dflash_train.block_loss(model, batch, rng, n_anchors=8)
+    one_loss, one = dflash_train.block_loss(model, batch, rng, n_anchors=8, scored=1)
+    anchors, ok = dflash_train.sample_anchors(rng, batch["loss_mask"].astype(bool),
+                                              batch["segment_ids"], 8)
+    logits = DecoderTarget(TINY).lm_head(
+        PARAMS, dflash_train.block_outputs(model, batch, anchors)[:, :, 0])  # [B, A, V]
+    labels = jnp.take_along_axis(batch["tokens"], anchors + 1, axis=1)
+    ce = -jnp.take_along_axis(jax.nn.log_softmax(logits), labels[..., None], -1)[..., 0]
+    assert int(one["loss_tokens"]) == int(ok.sum()) > 0
+    np.testing.assert_allclose(float(one_loss), float(jnp.sum(ce * ok) / ok.sum()), rtol=1e-5)
+    assert float(one["accuracy"]) == float(full["accuracy"])
+    assert float(one["accept_len"]) <= float(full["accept_len"])
+    assert int(full["loss_tokens"]) > int(one["loss_tokens"])
+    assert not np.isclose(float(full_loss), float(one_loss))
+    with pytest.raises(ValueError, match="scored must be in 1..3"):
+        dflash_train.block_loss(model, batch, rng, n_anchors=8, scored=4)
+
+
 def _train(records, tmp_path, steps, name, **kw):
     dev, train_records = evaluate.hold_out(records, 4)
     source = loop.PackedSource(train_records, seq_len=SEQ_LEN, batch_size=4, seed=0)
@@ -164,7 +193,7 @@ def test_cli_trains_dflash_and_exports_it(records_dir, tmp_path, monkeypatch, ca
     assert cli.main(["train", "dflash", "--target", "tiny", "--data", str(records_dir),
                      "--run-dir", str(run), "--steps", "10", "--batch", "4", "--seq-len",
                      str(SEQ_LEN), "--block-size", "4", "--taps", "2", "--anchors", "8",
-                     "--eval-every", "10", "--save-every", "10", "--dev-prompts", "4",
+                     "--scored", "2", "--eval-every", "10", "--save-every", "10", "--dev-prompts", "4",
                      "--eval-tokens", "8", "--no-progress"]) == 0
     rows = loop.MetricsLog(run).records()
     assert [r["step"] for r in rows if "eval_tau" in r] == [0, 10]

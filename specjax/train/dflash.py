@@ -26,7 +26,10 @@ one pass of the drafter:
 
 * **Loss**: cross-entropy of the labels under the target's frozen head, weighted by block
   position, ``w_k = exp(-(k - 1) / γ)`` (:func:`position_weights`), normalised by the total
-  weight of the scored labels; or D-PACE's adaptive weights (:func:`dpace_weights`).
+  weight of the scored labels; or D-PACE's adaptive weights (:func:`dpace_weights`). The loss
+  may score only the first K block positions (``scored``): the head over the block is most of
+  a step's cost, and where verification rarely gets past the first few drafts (a small target
+  on a CPU) those are the positions worth the steps; the block keeps its size and attention.
 """
 
 from __future__ import annotations
@@ -162,7 +165,7 @@ def block_outputs(model: DFlashModule, batch: dict, anchors: jax.Array) -> jax.A
 
 
 def block_loss(model: DFlashModule, batch: dict, rng: jax.Array, *, n_anchors: int = 64,
-               gamma: float | None = None, dpace: bool = False):
+               gamma: float | None = None, dpace: bool = False, scored: int | None = None):
     """The DFlash training loss of a packed batch (module docstring).
 
     Args:
@@ -173,35 +176,42 @@ def block_loss(model: DFlashModule, batch: dict, rng: jax.Array, *, n_anchors: i
       n_anchors: A, anchors per row.
       gamma: the position decay (default :func:`specjax.drafters.dflash.default_gamma`).
       dpace: weigh positions by :func:`dpace_weights` instead.
+      scored: K, score block positions 1..K only (default: all Bk - 1).
     Returns:
       ``(loss, {"accuracy": top-1 agreement at block position 1, "accept_len": the mean
-      number of leading block positions whose top-1 is the label (a chain's τ - 1),
-      "loss_tokens": labels scored})``.
+      number of leading scored block positions whose top-1 is the label (a chain's τ - 1,
+      capped at K), "loss_tokens": labels scored})``.
+    Raises:
+      ValueError: ``scored`` outside 1..Bk-1.
     """
     cfg, tp, tcfg = model.cfg, model.target_params(), model.target_cfg
     tokens, seg = batch["tokens"], batch["segment_ids"]
     mask = batch["loss_mask"].astype(bool)
     bk = cfg.block_size
+    k = bk - 1 if scored is None else scored
+    if not 1 <= k <= bk - 1:
+        raise ValueError(f"scored must be in 1..{bk - 1} (block {bk}), got {scored}")
     b, t = tokens.shape
     anchors, ok = sample_anchors(rng, mask, seg, n_anchors)  # [B, A]
     a = anchors.shape[1]
-    out = block_outputs(model, batch, anchors)  # [B, A, Bk - 1, D]
+    out = block_outputs(model, batch, anchors)[:, :, :k]  # [B, A, K, D]
     # Labels token[a + k], supervised while they stay response tokens of the anchor's record.
-    idx = anchors[:, :, None] + jnp.arange(1, bk, dtype=jnp.int32)  # [B, A, Bk - 1]
+    idx = anchors[:, :, None] + jnp.arange(1, k + 1, dtype=jnp.int32)  # [B, A, K]
     inside = idx < t
     idx_c = jnp.minimum(idx, t - 1).reshape(b, -1)
-    take = lambda x: jnp.take_along_axis(x, idx_c, axis=1).reshape(b, a, bk - 1)  # noqa: E731
+    take = lambda x: jnp.take_along_axis(x, idx_c, axis=1).reshape(b, a, k)  # noqa: E731
     anchor_seg = jnp.take_along_axis(seg, anchors, axis=1)[:, :, None]
     sup = inside & take(mask) & (take(seg) == anchor_seg) & ok[:, :, None]
     valid = jnp.cumprod(sup.astype(jnp.int32), axis=-1).astype(bool)
     labels = take(tokens)
     logp, top1 = target.score_tokens(tp, tcfg, out.reshape(b, -1, cfg.d_model),
                                      labels.reshape(b, -1))
-    ce, top1 = -logp.reshape(b, a, bk - 1), top1.reshape(b, a, bk - 1)
+    ce, top1 = -logp.reshape(b, a, k), top1.reshape(b, a, k)
     if dpace:
         w = dpace_weights(ce, valid)
     else:
-        w = jnp.where(valid, position_weights(bk, gamma or dflash.default_gamma(bk)), 0.0)
+        decay = position_weights(bk, gamma or dflash.default_gamma(bk))[:k]
+        w = jnp.where(valid, decay, 0.0)
     loss = jnp.sum(w * ce) / jnp.maximum(jnp.sum(w), 1e-6)
     n_blocks = jnp.maximum(jnp.sum(valid[..., 0]), 1)
     hit = top1 & valid
@@ -218,15 +228,19 @@ class Recipe:
       n_anchors: A, anchors per packed row.
       gamma: the position decay (None: :func:`specjax.drafters.dflash.default_gamma`).
       dpace: D-PACE weights instead of the decay.
+      scored: K, the loss scores block positions 1..K only (None: all of them).
     """
 
     n_anchors: int = 64
     gamma: float | None = None
     dpace: bool = False
+    scored: int | None = None
 
     def __post_init__(self):
         if self.n_anchors < 1:
             raise ValueError(f"n_anchors must be >= 1, got {self.n_anchors}")
+        if self.scored is not None and self.scored < 1:
+            raise ValueError(f"scored must be >= 1, got {self.scored}")
         if self.gamma is not None and not self.gamma > 0:
             raise ValueError(f"gamma must be > 0, got {self.gamma}")
 
@@ -257,8 +271,12 @@ def train(target_cfg: ModelConfig, target_params: dict, source: loop.DataSource,
     Returns:
       ``(result, drafter, own)``: how the run ended, the drafter, and its own params.
     Raises:
-      ValueError: ``init`` params of another shape than ``cfg``'s.
+      ValueError: ``init`` params of another shape than ``cfg``'s; ``recipe.scored`` beyond the
+        block's Bk - 1 positions.
     """
+    if recipe.scored is not None and recipe.scored > cfg.block_size - 1:
+        raise ValueError(f"the loss cannot score {recipe.scored} block positions: a block of "
+                         f"{cfg.block_size} drafts {cfg.block_size - 1}")
     drafter = DFlashDrafter(cfg, DecoderTarget(target_cfg), policy)
     drafter.check_target(DecoderTarget(target_cfg))
     own = dflash.init_params(cfg, seed)
@@ -271,7 +289,7 @@ def train(target_cfg: ModelConfig, target_params: dict, source: loop.DataSource,
 
     def loss_fn(model, batch, rng):
         return block_loss(model, batch, rng, n_anchors=recipe.n_anchors, gamma=recipe.gamma,
-                          dpace=recipe.dpace)
+                          dpace=recipe.dpace, scored=recipe.scored)
 
     eval_fn = None
     if train_cfg.eval_every and dev_prompts:
