@@ -176,7 +176,7 @@ class _FakeRecords:
 
 def test_pack_segments_positions_and_truncation():
     recs = _FakeRecords([3, 5, 2, 12, 4, 1, 6])
-    batch, pos = next(data.pack(recs, seq_len=8, batch_size=3, seed=0))
+    batch, pos = next(data.pack(recs, seq_len=8, batch_size=3, seed=0, lookahead=1))
     assert {k: (v.shape, v.dtype) for k, v in batch.items()} == {
         "tokens": ((3, 8), np.int32), "segment_ids": ((3, 8), np.int32),
         "positions": ((3, 8), np.int32), "loss_mask": ((3, 8), np.bool_)}
@@ -196,7 +196,37 @@ def test_pack_segments_positions_and_truncation():
             seen.append(r)
         assert not batch["loss_mask"][row, seg == 0].any()
         assert (batch["tokens"][row, seg == 0] == 0).all()
-    assert seen == order[:pos.index].tolist()  # records placed in the epoch's order
+    # Records placed in the epoch's order, the next one read ahead.
+    assert seen + [int(order[p]) for p in pos.pending] == order[:pos.index].tolist()
+
+
+def test_pack_fills_each_row_from_a_window_of_the_next_records():
+    """Lengths 5 6 2 3 8 1 in epoch order, rows of 8, a window of 3: each row takes the first
+    record of the window that fits the space left, the window refilling from the order."""
+    order = data.epoch_order(6, 0, 0)
+    lengths = [0] * 6
+    for at, n in enumerate([5, 6, 2, 3, 8, 1]):
+        lengths[int(order[at])] = n
+    recs = _FakeRecords(lengths)
+    stream = data.pack(recs, seq_len=8, batch_size=3, seed=0, lookahead=3)
+
+    def rows(batch):  # order positions of each row's records
+        where = {int(r): at for at, r in enumerate(order)}
+        return [[where[int(batch["tokens"][row, np.flatnonzero(batch["segment_ids"][row] == s)[0]])
+                       // 100] for s in range(1, batch["segment_ids"][row].max() + 1)]
+                for row in range(3)]
+
+    batch, pos = next(stream)
+    assert rows(batch) == [[0, 2], [1, 5], [3]]
+    assert pos == data.PackPosition(epoch=0, index=6, pending=(4,))
+    batch, pos = next(stream)
+    assert rows(batch) == [[4], [], []] and pos == data.PackPosition(epoch=0, index=6)
+    assert next(stream)[1].epoch == 1
+    strict = next(data.pack(recs, seq_len=8, batch_size=3, seed=0, lookahead=1))[0]
+    assert rows(strict) == [[0], [1, 2], [3]]
+    with pytest.raises(ValueError, match="pending order positions must lie before index 2"):
+        data.PackPosition(epoch=0, index=2, pending=(3,))
+    assert data.PackPosition.from_dict({"epoch": 1, "index": 4}) == data.PackPosition(1, 4)
 
 
 def test_pack_resumes_exactly_from_a_saved_position():
@@ -205,6 +235,7 @@ def test_pack_resumes_exactly_from_a_saved_position():
     run = [next(stream) for _ in range(12)]  # spans epoch boundaries
     assert {p.epoch for _, p in run} >= {0, 1}
     saved = data.PackPosition.from_dict(json.loads(json.dumps(run[4][1].to_dict())))
+    assert saved.pending  # records read ahead and waiting for a row
     resumed = data.pack(recs, seq_len=32, batch_size=2, seed=3, start=saved)
     for (want, want_pos), (got, got_pos) in zip(run[5:], resumed):
         assert got_pos == want_pos
