@@ -174,9 +174,10 @@ class _FakeRecords:
                 np.arange(n) >= n // 2)
 
 
-def test_pack_segments_positions_and_truncation():
+@pytest.mark.parametrize("lookahead", [1, 32])
+def test_pack_segments_positions_and_truncation(lookahead):
     recs = _FakeRecords([3, 5, 2, 12, 4, 1, 6])
-    batch, pos = next(data.pack(recs, seq_len=8, batch_size=3, seed=0, lookahead=1))
+    batch, pos = next(data.pack(recs, seq_len=8, batch_size=3, seed=0, lookahead=lookahead))
     assert {k: (v.shape, v.dtype) for k, v in batch.items()} == {
         "tokens": ((3, 8), np.int32), "segment_ids": ((3, 8), np.int32),
         "positions": ((3, 8), np.int32), "loss_mask": ((3, 8), np.bool_)}
@@ -196,8 +197,10 @@ def test_pack_segments_positions_and_truncation():
             seen.append(r)
         assert not batch["loss_mask"][row, seg == 0].any()
         assert (batch["tokens"][row, seg == 0] == 0).all()
-    # Records placed in the epoch's order, the next one read ahead.
-    assert seen + [int(order[p]) for p in pos.pending] == order[:pos.index].tolist()
+    if lookahead == 1:  # records placed in the epoch's order, the next one read ahead
+        assert seen + [int(order[p]) for p in pos.pending] == order[:pos.index].tolist()
+    else:
+        assert sorted(seen + [int(order[p]) for p in pos.pending]) == sorted(order[:pos.index])
 
 
 def test_pack_fills_each_row_from_a_window_of_the_next_records():
@@ -226,7 +229,25 @@ def test_pack_fills_each_row_from_a_window_of_the_next_records():
     assert rows(strict) == [[0], [1, 2], [3]]
     with pytest.raises(ValueError, match="pending order positions must lie before index 2"):
         data.PackPosition(epoch=0, index=2, pending=(3,))
+    with pytest.raises(ValueError, match="distinct and ascending"):
+        data.PackPosition(epoch=0, index=4, pending=(2, 1))
     assert data.PackPosition.from_dict({"epoch": 1, "index": 4}) == data.PackPosition(1, 4)
+
+
+@pytest.mark.parametrize("lookahead", [1, 3, 32])
+def test_pack_places_every_record_once_per_epoch(lookahead):
+    lengths = [int(n) for n in np.random.default_rng(2).integers(1, 30, 40)]
+    recs = _FakeRecords(lengths)
+    placed = {0: [], 1: []}
+    for batch, pos in data.pack(recs, seq_len=24, batch_size=3, seed=1, lookahead=lookahead):
+        if pos.epoch > 1:
+            break
+        for row in range(3):
+            seg = batch["segment_ids"][row]
+            placed[pos.epoch] += [int(batch["tokens"][row, np.flatnonzero(seg == s)[0]]) // 100
+                              for s in range(1, seg.max() + 1)]
+    for epoch in (0, 1):
+        assert sorted(placed[epoch]) == list(range(40))
 
 
 def test_pack_resumes_exactly_from_a_saved_position():

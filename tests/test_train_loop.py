@@ -319,7 +319,13 @@ def test_resuming_over_changed_data_is_refused(tmp_path):
                               seq_len=SEQ_LEN, batch_size=BATCH)
     with pytest.raises(ValueError, match="records"):
         fewer.restore(state)
+    strict = loop.PackedSource(records, seq_len=SEQ_LEN, batch_size=BATCH, lookahead=1)
+    with pytest.raises(ValueError, match="windows of 32 records, this source packs from 1"):
+        strict.restore(state)
+    older = {k: v for k, v in state.items() if k != "lookahead"}  # saved by strict packing
     again = loop.PackedSource(records, seq_len=SEQ_LEN, batch_size=BATCH)
+    with pytest.raises(ValueError, match="windows of 1 records"):
+        again.restore(older)
     again.restore(state)
     want = source.next()
     got = again.next()

@@ -115,11 +115,12 @@ def dpace_weights(ce: jax.Array, valid: jax.Array, alpha: float = 0.5) -> jax.Ar
 
     With ``q_i = exp(-CE_i)`` smoothed to ``q̃_i = (1 - alpha) q_i + alpha``, position j weighs
     ``sum_{m >= j} prod_{i <= m} q̃_i`` (how many drafts from j on a chain would still get
-    accepted), over the block's supervised positions.
+    accepted), over the block's supervised positions among those scored.
 
     Args:
-      ce: [..., Bk - 1] cross-entropies of block positions 1..Bk-1.
-      valid: [..., Bk - 1] bool, supervised positions (a prefix of each block).
+      ce: [..., K] cross-entropies of the scored block positions 1..K (K = Bk - 1 unless the
+        loss scores fewer).
+      valid: [..., K] bool, supervised positions (a prefix of each block).
     """
     q = (1.0 - alpha) * jnp.exp(-jax.lax.stop_gradient(ce)) + alpha
     survive = jnp.cumprod(jnp.where(valid, q, 0.0), axis=-1)

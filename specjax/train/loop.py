@@ -481,19 +481,23 @@ class PackedSource:
     of distilled records, with the packing position as its state.
 
     Batches hold ``tokens``, ``segment_ids``, ``positions``, ``loss_mask`` (all [B, T]) and
-    ``N_TOKENS``, the non-padding tokens. The state also records how many records there are,
-    so resuming over a data directory that has grown since (a different epoch order) is
-    refused instead of silently training on other batches.
+    ``N_TOKENS``, the non-padding tokens. The state also records how many records there are
+    and the packing window, so resuming over a data directory that has grown since (a
+    different epoch order) or with another window is refused instead of silently training on
+    other batches (a state without a window is from strict packing, ``lookahead=1``).
     """
 
-    def __init__(self, records, *, seq_len: int, batch_size: int, seed: int = 0):
+    def __init__(self, records, *, seq_len: int, batch_size: int, seed: int = 0,
+                 lookahead: int = 32):
         self.records, self.seq_len, self.batch_size, self.seed = records, seq_len, batch_size, seed
+        self.lookahead = lookahead
         self._start(data.PackPosition())
 
     def _start(self, position: data.PackPosition):
         self._position = position
         self._batches = data.pack(self.records, seq_len=self.seq_len,
-                                  batch_size=self.batch_size, seed=self.seed, start=position)
+                                  batch_size=self.batch_size, seed=self.seed,
+                                  lookahead=self.lookahead, start=position)
 
     def next(self) -> dict[str, np.ndarray]:
         batch, self._position = next(self._batches)
@@ -501,11 +505,17 @@ class PackedSource:
         return batch
 
     def state(self) -> dict:
-        return dict(self._position.to_dict(), n_records=len(self.records))
+        return dict(self._position.to_dict(), n_records=len(self.records),
+                    lookahead=self.lookahead)
 
     def restore(self, state: dict) -> None:
         if state["n_records"] != len(self.records):
             raise ValueError(f"the checkpoint was trained on {state['n_records']} records, the "
                              f"data now has {len(self.records)}; resuming would change the "
                              "batch order (use a new run directory)")
+        if state.get("lookahead", 1) != self.lookahead:
+            raise ValueError(f"the checkpoint's batches were packed from windows of "
+                             f"{state.get('lookahead', 1)} records, this source packs from "
+                             f"{self.lookahead}; resuming would change the batches (use a new "
+                             "run directory)")
         self._start(data.PackPosition.from_dict(state))
