@@ -244,8 +244,7 @@ class PackPosition:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "PackPosition":
-        return cls(epoch=int(d["epoch"]), index=int(d["index"]),
-                   pending=tuple(int(p) for p in d.get("pending", ())))
+        return cls(epoch=int(d["epoch"]), index=int(d["index"]), pending=d.get("pending", ()))
 
 
 def epoch_order(n_records: int, seed: int, epoch: int) -> np.ndarray:
