@@ -605,7 +605,9 @@ def _add_train(sub):
                     "are held out and decoded every --eval-every steps by greedy speculative "
                     "decoding with the block chain: tau, tokens/s and whether the output "
                     "equals plain greedy.")
-    f.add_argument("--layers", type=int, default=None, help="draft layers (default: 1)")
+    f.add_argument("--layers", type=int, default=None,
+                   help="draft layers (default: 1, or --init's; more than --init's appends "
+                        "layers that start out adding nothing)")
     f.add_argument("--block-size", type=int, default=None,
                    help="block size, anchor included (default: 16)")
     f.add_argument("--taps", type=int, default=None,
@@ -676,6 +678,7 @@ def _train_eagle(args) -> int:
 
 
 def _train_dflash(args) -> int:
+    from specjax.drafters import dflash as dflash_drafter
     from specjax.drafters.dflash import DFlashConfig
     from specjax.train import dflash
 
@@ -693,6 +696,10 @@ def _train_dflash(args) -> int:
         from specjax.io import official
 
         dcfg, init = official.load_dflash(args.init, model.cfg)
+        if args.layers is not None and args.layers > dcfg.layer.n_layers:
+            print(f"deepening the initial drafter from {dcfg.layer.n_layers} to {args.layers} "
+                  "layers (copies of its last, output projections zeroed)", file=sys.stderr)
+            dcfg, init = dflash_drafter.deepen(dcfg, init, args.layers)
         for name, given, want, have in (
                 ("layers", args.layers, args.layers, dcfg.layer.n_layers),
                 ("block-size", args.block_size, args.block_size, dcfg.block_size),
@@ -701,7 +708,7 @@ def _train_dflash(args) -> int:
             if given is not None and want != have:
                 raise ValueError(f"--{name} {given} differs from the initial drafter's "
                                  f"{'learned' if have is None else have}; a warm start keeps "
-                                 "its shape")
+                                 "its shape (it may only add layers)")
     result, drafter, own = dflash.train(
         model.cfg, model.params, source, cfg, dcfg,
         recipe=dflash.Recipe(n_anchors=args.anchors, gamma=args.gamma, dpace=args.dpace,

@@ -145,6 +145,36 @@ def test_kv_injection_equals_a_dense_formulation(cfg, own):
         np.testing.assert_allclose(got[row], want, rtol=2e-4, atol=2e-4 * np.abs(want).max())
 
 
+@pytest.mark.parametrize("cfg, own", [(CFG, OWN), (CFG_TOKEN, OWN_TOKEN)],
+                         ids=["full-learned-mask", "causal-token-mask"])
+def test_a_deepened_drafter_drafts_exactly_as_the_shallow_one(cfg, own):
+    """``deepen`` appends copies of the last layer whose output projections are zero: the
+    block logits after a prefill are the shallow drafter's; fewer layers are refused."""
+    n = cfg.layer.n_layers
+    deep_cfg, deep = dflash.deepen(cfg, own, n + 2)
+    dflash.check_params(deep_cfg, deep)
+    assert deep_cfg.types == cfg.types + (cfg.types[-1],) * 2
+    for new in deep["layers"][n:]:
+        assert not np.any(np.asarray(new["wo"])) and not np.any(np.asarray(new["w_down"]))
+        np.testing.assert_array_equal(new["wqkv"], own["layers"][-1]["wqkv"])
+    tokens, lengths = api.pad_prompts(PROMPTS)
+    prompt, prompt_len = jnp.asarray(tokens), jnp.asarray(lengths)
+    roots = jnp.asarray([17, 23, 5, 40], jnp.int32)
+
+    def block_logits(cfg, own):
+        drafter = DFlashDrafter(cfg, TGT, BlockChain())
+        dp = dflash.drafter_params(own, PARAMS)
+        _, taps, _ = target.prefill(PARAMS, TINY, prompt, prompt_len, 32, drafter.taps)
+        state = drafter.init(dp, Prefill(prompt, prompt_len, taps, roots, 32))
+        return np.asarray(drafter.block_logits(dp, state, roots))
+
+    want = block_logits(cfg, own)
+    np.testing.assert_allclose(block_logits(deep_cfg, deep), want, rtol=1e-6,
+                               atol=1e-6 * np.abs(want).max())
+    with pytest.raises(ValueError, match=f"of {n + 2} layers cannot be deepened to {n}"):
+        dflash.deepen(deep_cfg, deep, n)
+
+
 # ------------------------------------------------------------------------------------------
 # DDTree against a heap walk of the reference algorithm.
 

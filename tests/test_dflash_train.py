@@ -221,3 +221,13 @@ def test_cli_trains_dflash_and_exports_it(records_dir, tmp_path, monkeypatch, ca
     capsys.readouterr()
     assert cli.main(common + ["--run-dir", str(tmp_path / "bad"), "--block-size", "8"]) == 2
     assert "--block-size 8 differs from the initial drafter's 4" in capsys.readouterr().err
+    # More --layers than the initial drafter's deepens it; the appended layer trains from its
+    # first step (its zeroed output projection moves). Fewer are refused.
+    deep = tmp_path / "deep"
+    assert cli.main(common + ["--run-dir", str(deep), "--lr", "1e-3", "--layers", "2"]) == 0
+    assert "deepening the initial drafter from 1 to 2 layers" in capsys.readouterr().err
+    cfg, grown = official.load_dflash(deep / "drafter", TINY)
+    assert cfg.layer.n_layers == 2 and np.any(np.asarray(grown["layers"][1]["wo"]))
+    back = common[:-1] + [str(deep / "drafter"), "--run-dir", str(tmp_path / "fewer")]
+    assert cli.main(back + ["--layers", "1"]) == 2
+    assert "--layers 1 differs from the initial drafter's 2" in capsys.readouterr().err

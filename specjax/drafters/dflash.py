@@ -208,6 +208,29 @@ def init_params(cfg: DFlashConfig, seed: int = 0, scale: float = 0.02) -> dict:
     return own
 
 
+def deepen(cfg: DFlashConfig, own: dict, n_layers: int) -> tuple[DFlashConfig, dict]:
+    """A drafter of ``n_layers`` that drafts exactly as ``own`` does, to train on from there.
+
+    Layers are appended after the last one, each a copy of it (its type too) with its two
+    output projections, ``wo`` and ``w_down``, zeroed: a new layer adds nothing to the residual
+    stream until training moves them, and from the first step their gradients see the trained
+    attention and MLP activations the copy computes (zero-initialised residual branches, as
+    in depth up-scaling).
+
+    Raises:
+      ValueError: ``n_layers`` below the drafter's layer count.
+    """
+    have = cfg.layer.n_layers
+    if n_layers < have:
+        raise ValueError(f"a drafter of {have} layers cannot be deepened to {n_layers}")
+    last = own["layers"][-1]
+    new = dict(last, wo=jnp.zeros_like(last["wo"]), w_down=jnp.zeros_like(last["w_down"]))
+    deeper = dict(own, layers=list(own["layers"]) + [dict(new) for _ in range(n_layers - have)])
+    types = cfg.types + (cfg.types[-1],) * (n_layers - have)
+    return dataclasses.replace(cfg, layer=cfg.layer.replace(n_layers=n_layers),
+                               layer_types=types), deeper
+
+
 def check_params(cfg: DFlashConfig, own: dict) -> None:
     """Raises ValueError when ``own`` does not fit ``cfg`` (keys and shapes)."""
     check_shapes("DFlash", jax.eval_shape(lambda: init_params(cfg)), own)
