@@ -46,6 +46,11 @@ def _add_drafter_options(group):
     group.add_argument("--block", type=int, default=None,
                        help="DFlash: the block drafted per pass, root included (default: the "
                             "drafter's trained block size)")
+    group.add_argument("--draft-vocab", type=_draft_vocab, default=None, metavar="VD|full",
+                       help="DFlash: draft from the VD most frequent ids of the drafter's "
+                            "token_order only, a head VD wide instead of the target's "
+                            "vocabulary, or from all ids (full) (default: the drafter's "
+                            "draft_vocab_size from its config.json, else full)")
     group.add_argument("--draft-sample", action="store_true",
                        help="DFlash chain at temperature > 0: draw each position from the "
                             "drafter's processed marginal and verify with it as q, instead of "
@@ -111,15 +116,38 @@ def _eagle_weights(args, cfg, params):
     return dcfg, eagle.drafter_params(own, params)
 
 
+def _draft_vocab(text: str) -> int | str:
+    """``--draft-vocab``: ``full`` or a positive size."""
+    if text == "full":
+        return text
+    try:
+        size = int(text)
+    except ValueError:
+        size = 0
+    if size < 1:
+        raise argparse.ArgumentTypeError(f"expected 'full' or a positive size, got {text!r}")
+    return size
+
+
+def resolve_draft_vocab(given: int | str | None, dcfg) -> int | None:
+    """The DFlash draft vocabulary of a ``--draft-vocab`` value (None: the drafter's
+    ``draft_vocab_size``; ``"full"``: the whole vocabulary, returned as None)."""
+    return dcfg.draft_vocab_size if given is None else None if given == "full" else given
+
+
 def _dflash_weights(args, cfg, params):
-    """(DFlash config, drafter params) from --drafter or the shipped DFlash drafter."""
+    """(DFlash config, drafter params, draft vocabulary) from --drafter or the shipped DFlash
+    drafter, and --draft-vocab."""
     from specjax.drafters import dflash
     from specjax.io import official
     from specjax.io.models import shipped_drafter
+    from specjax.targets import DecoderTarget
 
     path = Path(args.drafter) if args.drafter else shipped_drafter(args.model, "dflash")
     dcfg, own = official.load_dflash(path, cfg, dtype=cfg.dtype)
-    return dcfg, dflash.drafter_params(own, params)
+    vocab = resolve_draft_vocab(args.draft_vocab, dcfg)
+    return dcfg, dflash.drafter_params(own, params, target=DecoderTarget(cfg),
+                                       vocab=vocab), vocab
 
 
 def _eagle_drafter(args, cfg, params):
@@ -139,12 +167,12 @@ def _dflash_drafter(args, cfg, params):
     from specjax.drafters import dflash
     from specjax.targets import DecoderTarget
 
-    dcfg, dp = _dflash_weights(args, cfg, params)
+    dcfg, dp, vocab = _dflash_weights(args, cfg, params)
     if args.method == "ddtree":
         policy = dflash.DDTree(args.tree_nodes)
     else:
         policy = dflash.SampledBlock() if args.draft_sample else dflash.BlockChain()
-    return dflash.DFlashDrafter(dcfg, DecoderTarget(cfg), policy, args.block), dp
+    return dflash.DFlashDrafter(dcfg, DecoderTarget(cfg), policy, args.block, vocab), dp
 
 
 def make_drafter(args, cfg, params):
@@ -445,6 +473,38 @@ def _add_data(sub):
     st.add_argument("--batch-size", type=int, default=4, help="packed rows (default: %(default)s)")
     st.add_argument("--batches", type=int, default=3, help="timed batches (default: %(default)s)")
     st.set_defaults(func=_data_stats)
+    r = data_sub.add_parser(
+        "rank", help="give a DFlash drafter a draft vocabulary ranked on distilled data",
+        description="Rank the target's ids by how often they occur as response tokens in a "
+                    "distilled data directory and write the ranking (token_order) into a DFlash "
+                    "drafter directory, whose other tensors stay as they are: it can then draft "
+                    "from its --draft-vocab most frequent ids. 'train dflash' writes one into "
+                    "every drafter it exports.")
+    r.add_argument("dir", help="a 'data distill' output directory for the drafter's target")
+    r.add_argument("--drafter", required=True, help="a DFlash drafter directory (official "
+                                                    "layout, model.safetensors)")
+    r.add_argument("--draft-vocab", type=int, default=None, metavar="VD",
+                   help="also make VD the drafter's default draft vocabulary (config.json's "
+                        "draft_vocab_size)")
+    r.set_defaults(func=_data_rank)
+
+
+def _data_rank(args) -> int:
+    import json
+
+    from specjax.drafters import vocab
+    from specjax.io import official
+    from specjax.train import data
+
+    recs = data.Records(args.dir)
+    size = json.loads((Path(args.drafter) / "config.json").read_text())["vocab_size"]
+    counts = data.token_counts(recs, size)
+    out = official.set_token_order(args.drafter, vocab.frequency_order(counts),
+                                   args.draft_vocab)
+    seen = int((counts > 0).sum())
+    print(f"{out}: token_order of {size} ids from {int(counts.sum())} response tokens of "
+          f"{len(recs)} records ({seen} distinct ids seen; unseen ones rank last, by id)")
+    return 0
 
 
 def _data_stats(args) -> int:
@@ -679,23 +739,23 @@ def _train_eagle(args) -> int:
 
 def _train_dflash(args) -> int:
     from specjax.drafters import dflash as dflash_drafter
-    from specjax.drafters.dflash import DFlashConfig
     from specjax.train import dflash
 
-    cfg, model, dev, _, source = _train_inputs(args)
+    cfg, model, dev, records, source = _train_inputs(args)
     mask = None if args.mask_token in (None, "learned") else int(args.mask_token)
     init = None
     if args.init is None:
         def given(value, default):
             return default if value is None else value
 
-        dcfg = DFlashConfig.for_target(
+        dcfg = dflash_drafter.DFlashConfig.for_target(
             model.cfg, n_layers=given(args.layers, 1), block_size=given(args.block_size, 16),
             mask_token_id=mask, n_taps=given(args.taps, 5))
     else:
         from specjax.io import official
 
         dcfg, init = official.load_dflash(args.init, model.cfg)
+        init.pop("token_order", None)  # the export ranks this run's records afresh
         if args.layers is not None and args.layers > dcfg.layer.n_layers:
             print(f"deepening the initial drafter from {dcfg.layer.n_layers} to {args.layers} "
                   "layers (copies of its last, output projections zeroed)", file=sys.stderr)
@@ -717,8 +777,12 @@ def _train_dflash(args) -> int:
         stop_tokens=model.tokenizer.eos_ids if model.tokenizer else (),
         progress=not args.no_progress)
     if not result.signal:
+        from specjax.drafters import vocab
         from specjax.io import official
+        from specjax.train import data
 
+        counts = data.token_counts(records, model.cfg.vocab_size)
+        own = dict(own, token_order=vocab.frequency_order(counts))
         out = official.save_dflash(drafter.cfg, own, Path(args.run_dir) / "drafter",
                                    dtype="bfloat16")
         print(f"{out}: the trained drafter in the official layout (bfloat16); use it with "
@@ -817,6 +881,9 @@ def _add_bench(sub):
     p.add_argument("--block", default=None,
                    help="DFlash chain blocks, comma-separated (default: the drafter's trained "
                         "one)")
+    p.add_argument("--draft-vocab", type=_draft_vocab, default=None, metavar="VD|full",
+                   help="DFlash and DDTree draft from the drafter's VD most frequent ids, or "
+                        "from all (full) (default: the drafter's draft_vocab_size, else full)")
     p.add_argument("--eagle-drafter", default=None, help="EAGLE drafter directory")
     p.add_argument("--dflash-drafter", default=None, help="DFlash drafter directory")
     p.add_argument("--out", default="bench_out/bench", help="output directory (default: %(default)s)")
@@ -860,7 +927,8 @@ def _bench(args) -> int:
                 draft_lens=_ints(args.draft_len), draft_layers=args.draft_layers,
                 tree_nodes=_ints(args.tree_nodes),
                 blocks=_ints(args.block) if args.block else (None,),
-                eagle_dir=args.eagle_drafter, dflash_dir=args.dflash_drafter)
+                eagle_dir=args.eagle_drafter, dflash_dir=args.dflash_drafter,
+                draft_vocab=args.draft_vocab)
         except ValueError as e:
             if not args.quick:
                 raise

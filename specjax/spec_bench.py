@@ -19,8 +19,9 @@ times move with whatever else the machine runs):
    draft length and as dynamic trees of each ``--tree-nodes`` size; with ``--methods dflash,ddtree --dflash
    DIR`` a DFlash drafter runs as block chains of each ``--blocks`` size and as DDTrees of each
    ``--ddtree-nodes`` size (and, with ``--draft-sample`` at a temperature above 0, as chains
-   drawn from its marginals). For plain decoding and each drafter: τ (tokens per verify
-   cycle), decode seconds, speedup over plain decoding at the same precision (the lossless
+   drawn from its marginals), each once per ``--draft-vocabs`` entry (the whole vocabulary,
+   or the drafter's Vd most frequent ids). For plain decoding and each drafter: τ (tokens per
+   verify cycle), decode seconds, speedup over plain decoding at the same precision (the lossless
    comparison), speedup over the fastest plain decoding at any precision (what a user feels),
    efficiency = speedup / τ, acceptance by position, and the drafter's own time per cycle
    (its ``propose`` jitted alone). At temperature 0 outputs must match plain decoding token
@@ -41,6 +42,7 @@ import argparse
 import inspect
 import shlex
 import sys
+import time
 from collections.abc import Mapping, Sequence
 
 import jax
@@ -123,7 +125,8 @@ def _decode_seconds(cfg, params, batch, max_new_tokens, cache_size, drafter, dpa
     return max(full.run_s - first.run_s, 1e-9), full
 
 
-def _dflash_configs(cfg, params, dflash_dir, blocks, ddtree_nodes, methods, draft_sample):
+def _dflash_configs(cfg, params, dflash_dir, blocks, ddtree_nodes, methods, draft_sample,
+                    draft_vocabs=(None,)):
     from specjax.drafters import dflash
     from specjax.io import official
     from specjax.targets import DecoderTarget
@@ -131,17 +134,21 @@ def _dflash_configs(cfg, params, dflash_dir, blocks, ddtree_nodes, methods, draf
     if dflash_dir is None:
         raise ValueError("--methods dflash/ddtree needs --dflash DIR")
     dcfg, own = official.load_dflash(dflash_dir, cfg)
-    dp = dflash.drafter_params(own, params)
     tgt = DecoderTarget(cfg)
     out = {}
-    for bk in blocks if "dflash" in methods else ():
-        out[f"dflash B={bk}"] = (cfg, params, dflash.DFlashDrafter(dcfg, tgt, block=bk), dp)
-        if draft_sample:
-            out[f"dflash B={bk} sampled"] = (
-                cfg, params, dflash.DFlashDrafter(dcfg, tgt, dflash.SampledBlock(), bk), dp)
-    for n in ddtree_nodes if "ddtree" in methods else ():
-        out[f"ddtree N={n}"] = (cfg, params, dflash.DFlashDrafter(dcfg, tgt, dflash.DDTree(n)),
-                                dp)
+    for vd in draft_vocabs:
+        dp = dflash.drafter_params(own, params, target=tgt, vocab=vd)
+        tag = "" if vd is None else f" V={vd}"
+        for bk in blocks if "dflash" in methods else ():
+            out[f"dflash B={bk}{tag}"] = (
+                cfg, params, dflash.DFlashDrafter(dcfg, tgt, block=bk, vocab=vd), dp)
+            if draft_sample:
+                out[f"dflash B={bk}{tag} sampled"] = (
+                    cfg, params, dflash.DFlashDrafter(dcfg, tgt, dflash.SampledBlock(), bk, vd),
+                    dp)
+        for n in ddtree_nodes if "ddtree" in methods else ():
+            out[f"ddtree N={n}{tag}"] = (
+                cfg, params, dflash.DFlashDrafter(dcfg, tgt, dflash.DDTree(n), vocab=vd), dp)
     return out
 
 
@@ -181,6 +188,7 @@ def run_spec_benchmark(model, prompts: Sequence[str] | Mapping[str, Sequence[str
                        tree_nodes: Sequence[int] = (8, 16), dflash_dir=None,
                        blocks: Sequence[int] = (4, 8, 16), ddtree_nodes: Sequence[int] = (8, 16, 32),
                        temperature: float = 0.0, batch: int = 1, draft_sample: bool = False,
+                       draft_vocabs: Sequence[int | None] = (None,),
                        cost_aware: Sequence[int] = (), log=print) -> dict:
     """Runs both measurements (module docstring) and returns them as a dict.
 
@@ -189,6 +197,9 @@ def run_spec_benchmark(model, prompts: Sequence[str] | Mapping[str, Sequence[str
     for all) and gets its own table, its speedups measured against plain decoding on the same
     set. Draft time per cycle is measured once per drafter, on the first batch, before the
     timed rounds.
+
+    ``draft_vocabs`` runs every DFlash and DDTree configuration once per draft vocabulary
+    (None: the target's whole vocabulary; Vd: the drafter's Vd most frequent ids).
 
     ``cost_aware`` buckets (e.g. ``(0, 4, 8, 16)``) add a cost-aware twin of every DFlash and
     DDTree configuration (:mod:`specjax.harness`), its budget built from this run's verify
@@ -235,7 +246,7 @@ def run_spec_benchmark(model, prompts: Sequence[str] | Mapping[str, Sequence[str
                 cfg, params, eagle.EagleDrafter(ecfg, DecoderTarget(cfg), tree), dp)
     if {"dflash", "ddtree"} & set(methods):
         configs |= _dflash_configs(cfg, params, dflash_dir, blocks, ddtree_nodes, methods,
-                                   draft_sample and temperature > 0)
+                                   draft_sample and temperature > 0, draft_vocabs)
     if not isinstance(prompts, Mapping):
         prompts = {"prompts": prompts}
     encoded = {name: [tok.encode_chat([{"role": "user", "content": p}]) for p in ps]
@@ -272,8 +283,10 @@ def run_spec_benchmark(model, prompts: Sequence[str] | Mapping[str, Sequence[str
     widths = {name: [(0, 0)] * len(batches) for name in configs}  # (nodes verified, cycles)
     log(f"warming up (compiling {len(configs)} configurations) ...")
     for name, (c, p, d, dp) in configs.items():
+        t0 = time.perf_counter()
         _decode_seconds(c, p, batches[0][1], max_new_tokens, cache_size, d, dp, temperature,
                         width, budgets.get(name))
+        log(f"  {name}: {time.perf_counter() - t0:.1f} s")
     for r in range(repeats):
         for i, (_, ids) in enumerate(batches):
             for name, (c, p, d, dp) in configs.items():
@@ -386,6 +399,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--blocks", default="4,8,16",
                         help="DFlash block sizes drafted per pass, root included")
     parser.add_argument("--ddtree-nodes", default="8,16,32", help="DDTree sizes, root included")
+    parser.add_argument("--draft-vocabs", default="full",
+                        help="DFlash / DDTree draft vocabularies, comma-separated: full (the "
+                             "target's) or a size Vd (the drafter's Vd most frequent ids)")
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--batch", type=int, default=1, help="prompts per generate call")
     parser.add_argument("--draft-sample", action="store_true",
@@ -425,6 +441,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         dflash_dir=args.dflash, blocks=[int(b) for b in args.blocks.split(",")],
         ddtree_nodes=[int(n) for n in args.ddtree_nodes.split(",")],
         temperature=args.temperature, batch=args.batch, draft_sample=args.draft_sample,
+        draft_vocabs=[None if v == "full" else int(v) for v in args.draft_vocabs.split(",")],
         cost_aware=[int(n) for n in args.cost_aware.split(",")] if args.cost_aware else ())
     print(format_report(result))
     if args.json:

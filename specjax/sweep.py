@@ -93,7 +93,8 @@ class Method:
 def methods(model, names: Sequence[str], *, model_name: str, cost_aware: str = "both",
             draft_lens: Sequence[int] = (4,), draft_layers: int = 4,
             tree_nodes: Sequence[int] = (16,), blocks: Sequence[int | None] = (None,),
-            eagle_dir=None, dflash_dir=None) -> list[Method]:
+            eagle_dir=None, dflash_dir=None, draft_vocab: int | str | None = None
+            ) -> list[Method]:
     """The :class:`Method` list of ``names`` (plain, ngram, draft-model, eagle3, eagle1,
     dflash, ddtree) for ``model`` (a :class:`specjax.io.models.LoadedModel`): each drafter at
     every size given (its fixed budgets), and its cost-aware twin at the largest (whose
@@ -107,6 +108,8 @@ def methods(model, names: Sequence[str], *, model_name: str, cost_aware: str = "
       tree_nodes: EAGLE dynamic tree and DDTree sizes, root included.
       blocks: DFlash chain blocks (None: the drafter's trained one).
       eagle_dir, dflash_dir: drafter directories (default: the ones shipped for the model).
+      draft_vocab: DFlash and DDTree draft from the drafter's ``draft_vocab`` most frequent
+        ids; ``"full"`` from all; None from its config's ``draft_vocab_size`` (all if unset).
     Raises:
       ValueError: an unknown name, or a drafter that cannot be loaded or does not fit.
     """
@@ -141,13 +144,17 @@ def methods(model, names: Sequence[str], *, model_name: str, cost_aware: str = "
         if name in ("dflash", "ddtree"):
             dcfg, own = official.load_dflash(dflash_dir or shipped_drafter(model_name, "dflash"),
                                              cfg, dtype=cfg.dtype)
-            dp = dflash.drafter_params(own, params)
+            vd = (dcfg.draft_vocab_size if draft_vocab is None
+                  else None if draft_vocab == "full" else draft_vocab)
+            dp = dflash.drafter_params(own, params, target=tgt, vocab=vd)
+            tag = "" if vd is None else f" V={vd}"
             if name == "ddtree":
-                return [Method(f"ddtree N={n}", dflash.DFlashDrafter(dcfg, tgt, dflash.DDTree(n)),
-                               dp) for n in sorted(tree_nodes)]
-            drafters = sorted((dflash.DFlashDrafter(dcfg, tgt, block=bk) for bk in blocks),
-                              key=lambda d: d.block_size)
-            return [Method(f"dflash B={d.block_size}", d, dp) for d in drafters]
+                return [Method(f"ddtree N={n}{tag}", dflash.DFlashDrafter(
+                    dcfg, tgt, dflash.DDTree(n), vocab=vd), dp)
+                    for n in sorted(tree_nodes)]
+            drafters = sorted((dflash.DFlashDrafter(dcfg, tgt, block=bk, vocab=vd)
+                               for bk in blocks), key=lambda d: d.block_size)
+            return [Method(f"dflash B={d.block_size}{tag}", d, dp) for d in drafters]
         raise ValueError(f"unknown method {name!r}; choose from plain, ngram, draft-model, "
                          "eagle3, eagle1, dflash, ddtree")
 

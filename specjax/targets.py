@@ -27,10 +27,10 @@ speculative loop scores only the roots (a one-token pass) in a cycle where no ro
 draft, and writes each cycle's keys and values once.
 
 Drafters that read the target's own weights (EAGLE, DFlash) need :class:`DraftingTarget`:
-``embed``, ``lm_head`` (full, or gathered over a reduced vocabulary), ``final_norm``, the
-sizes, and the tap id of the final normed state; ``check_drafter`` raises a clear error when a
-drafter cannot draft for the target. :class:`DecoderTarget` implements all three protocols for
-specjax's own decoders.
+``embed``, ``lm_head``, ``head_rows`` (to gather it over a reduced vocabulary), ``final_norm``,
+the sizes, and the tap id of the final normed state; ``check_drafter`` raises a clear error
+when a drafter cannot draft for the target. :class:`DecoderTarget` implements all three
+protocols for specjax's own decoders.
 """
 
 from __future__ import annotations
@@ -93,10 +93,13 @@ class DraftingTarget(Target, Protocol):
         """Token embeddings [..., E] of ``tokens`` [...]."""
         ...
 
-    def lm_head(self, params: Any, hidden: jax.Array,
-                vocab_ids: jax.Array | None = None) -> jax.Array:
-        """Float32 logits [..., V] (or [..., V'] over ``vocab_ids`` [V']) of final normed
-        states [..., E]."""
+    def lm_head(self, params: Any, hidden: jax.Array) -> jax.Array:
+        """Float32 logits [..., V] of final normed states [..., E]."""
+        ...
+
+    def head_rows(self, params: Any, vocab_ids: jax.Array) -> jax.Array:
+        """The head's rows [V', E] of the ids ``vocab_ids`` [V'] (``hidden @ rows.T`` are those
+        ids' logits)."""
         ...
 
     def final_norm(self, params: Any, x: jax.Array) -> jax.Array:
@@ -179,8 +182,11 @@ class DecoderTarget:
     def embed(self, params, tokens):
         return target.embed(params, tokens)
 
-    def lm_head(self, params, hidden, vocab_ids=None):
-        return target.lm_head(params, self.cfg, hidden, vocab_ids)
+    def lm_head(self, params, hidden):
+        return target.lm_head(params, self.cfg, hidden)
+
+    def head_rows(self, params, vocab_ids):
+        return target.head_rows(params, self.cfg, vocab_ids)
 
     def final_norm(self, params, x):
         return target.final_norm(params, self.cfg, x)

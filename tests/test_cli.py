@@ -3,10 +3,12 @@ checkpoint (plain and speculative print the same text as a torch greedy loop), a
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import shutil
 
+import numpy as np
 import pytest
 
 from specjax import cli
@@ -144,6 +146,37 @@ def test_dflash_drafter_from_a_directory_keeps_the_greedy_text(cli_model, tmp_pa
     assert rc == 0, err
     assert re.search(rf"\[{method}: \d+ verify cycles, tau = [\d.]+", err), err
     assert out == plain
+    # A draft vocabulary needs the drafter's token ranking; with one it drafts from its top.
+    vocab = ["--draft-vocab", "12"]
+    rc, _, err = _run(capsys, *argv, "--method", method, "--drafter", str(tmp_path / "drafter"),
+                      "--tree-nodes", "6", *budget, *vocab)
+    assert rc != 0 and "carries no token_order" in err and "specjax data rank" in err
+    order = np.random.default_rng(0).permutation(cfg.vocab_size)
+    official.set_token_order(tmp_path / "drafter", order, draft_vocab_size=12)
+    for choice in (vocab, [], ["--draft-vocab", "full"]):  # 12, the drafter's default, all
+        rc, out, err = _run(capsys, *argv, "--method", method, "--drafter",
+                            str(tmp_path / "drafter"), "--tree-nodes", "6", *budget, *choice)
+        assert rc == 0, err
+        assert out == plain
+
+
+def test_draft_vocab_option_resolves_against_the_drafter():
+    from specjax.config import ModelConfig
+    from specjax.drafters import dflash
+
+    tiny = ModelConfig(arch="llama", vocab_size=61, d_model=32, n_layers=5, n_heads=4,
+                       n_kv_heads=2, head_dim=8, d_ff=48)
+    cfg = dflash.DFlashConfig.for_target(tiny, n_layers=1, block_size=4)
+    ranked = dataclasses.replace(cfg, draft_vocab_size=12)
+    parse = cli.build_parser().parse_args
+    base = ["generate", "--prompt", "x", "--method", "dflash"]
+    assert parse(base).draft_vocab is None
+    assert [cli.resolve_draft_vocab(parse(base + extra).draft_vocab, c)
+            for extra in ([], ["--draft-vocab", "full"], ["--draft-vocab", "7"])
+            for c in (cfg, ranked)] == [None, 12, None, None, 7, 7]
+    for bad in ("0", "all"):
+        with pytest.raises(SystemExit):
+            parse(base + ["--draft-vocab", bad])
 
 
 def test_eagle_without_a_shipped_drafter_says_what_to_do(cli_model, capsys):

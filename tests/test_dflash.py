@@ -1,7 +1,8 @@
-"""DFlash drafting: greedy losslessness of block chains and DDTrees, KV injection against a
-dense formulation, DDTree against a heap walk of the reference algorithm, the sampled block's
-law (and its power against a misreported q and against noise shared with verification), the
-drafter cache against a fresh prefill, and clear mismatch errors."""
+"""DFlash drafting: greedy losslessness of block chains and DDTrees (over the whole vocabulary
+and a draft vocabulary), KV injection against a dense formulation, DDTree against a heap walk
+of the reference algorithm, the sampled block's law (and its power against a misreported q and
+against noise shared with verification), the drafter cache against a fresh prefill, and clear
+mismatch errors."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import pytest
 from specjax import api, decode, sampling
 from specjax.config import ModelConfig
 from specjax.drafters import dflash
-from specjax.drafters.base import Prefill
+from specjax.drafters.base import Context, Prefill
 from specjax.io import official
 from specjax.drafters.dflash import BlockChain, DDTree, DFlashConfig, DFlashDrafter, SampledBlock
 from specjax.models import target
@@ -43,13 +44,20 @@ OWN = dflash.init_params(CFG, 1, scale=0.3)
 CFG_TOKEN = dataclasses.replace(_drafter_cfg(n_layers=1), mask_token_id=60,
                                 layer_types=("sliding_attention",), sliding_window=8)
 OWN_TOKEN = dflash.init_params(CFG_TOKEN, 2, scale=0.3)
+# A ranking that puts the ids the random drafter likes last: a draft vocabulary of its top 20
+# then misses many of its favourite drafts.
+OWN_RANKED = dict(OWN, token_order=jnp.asarray(np.random.default_rng(0).permutation(61),
+                                               jnp.int32))
 
-POLICIES = {"chain": (CFG, OWN, BlockChain(), None),
-            "chain-block-3": (CFG, OWN, BlockChain(), 3),
-            "sampled": (CFG, OWN, SampledBlock(), None),
-            "ddtree-8": (CFG, OWN, DDTree(8), None),
-            "ddtree-16": (CFG, OWN, DDTree(16), None),
-            "causal-sliding-token-mask": (CFG_TOKEN, OWN_TOKEN, DDTree(6), None)}
+POLICIES = {"chain": (CFG, OWN, BlockChain(), None, None),
+            "chain-block-3": (CFG, OWN, BlockChain(), 3, None),
+            "sampled": (CFG, OWN, SampledBlock(), None, None),
+            "ddtree-8": (CFG, OWN, DDTree(8), None, None),
+            "ddtree-16": (CFG, OWN, DDTree(16), None, None),
+            "causal-sliding-token-mask": (CFG_TOKEN, OWN_TOKEN, DDTree(6), None, None),
+            "chain-vocab-20": (CFG, OWN_RANKED, BlockChain(), None, 20),
+            "ddtree-8-vocab-20": (CFG, OWN_RANKED, DDTree(8), None, 20),
+            "sampled-vocab-3": (CFG, OWN_RANKED, SampledBlock(), None, 3)}
 
 
 def test_default_layer_ids_round_half_to_even_as_the_reference():
@@ -66,14 +74,14 @@ def test_default_layer_ids_round_half_to_even_as_the_reference():
 def test_greedy_dflash_equals_plain(policy):
     """Batch 4 with mixed lengths and a stop token for every policy, and batch 1 for a chain
     and a DDTree (the others share their batch-1 code paths): token for token."""
-    cfg, own, pol, block = POLICIES[policy]
-    drafter = DFlashDrafter(cfg, TGT, pol, block)
-    dp = dflash.drafter_params(own, PARAMS)
+    cfg, own, pol, block, vocab = POLICIES[policy]
+    drafter = DFlashDrafter(cfg, TGT, pol, block, vocab)
+    dp = dflash.drafter_params(own, PARAMS, target=TGT, vocab=vocab)
     plain = api.generate_tokens(TINY, PARAMS, PROMPTS, max_new_tokens=20)
     stop = plain.tokens[1][8]
     plain_stop = api.generate_tokens(TINY, PARAMS, PROMPTS, max_new_tokens=20, stop_tokens=[stop])
     cases = [(PROMPTS, plain_stop, [stop])]
-    if policy in ("chain", "ddtree-8"):
+    if policy in ("chain", "ddtree-8", "chain-vocab-20"):
         cases.append((PROMPTS[:1], plain, []))
     for prompts, want, stops in cases:
         got = api.generate_tokens(TINY, PARAMS, prompts, max_new_tokens=20, stop_tokens=stops,
@@ -179,6 +187,34 @@ def test_a_deepened_drafter_drafts_exactly_as_the_shallow_one(cfg, own):
 # DDTree against a heap walk of the reference algorithm.
 
 
+def test_a_draft_vocabulary_scores_its_ids_as_the_full_head_does():
+    """Block logits over a draft vocabulary are the full head's at those ids (in ascending id
+    order), and its proposals are target ids from that vocabulary."""
+    vocab = 20
+    ids = np.sort(np.asarray(OWN_RANKED["token_order"])[:vocab])
+    full = DFlashDrafter(CFG, TGT, DDTree(8))
+    small = DFlashDrafter(CFG, TGT, DDTree(8), vocab=vocab)
+    dp_full = dflash.drafter_params(OWN_RANKED, PARAMS)
+    dp_small = dflash.drafter_params(OWN_RANKED, PARAMS, target=TGT, vocab=vocab)
+    np.testing.assert_array_equal(np.asarray(dp_small["head"]["ids"]), ids)
+    tokens, lengths = api.pad_prompts(PROMPTS)
+    _, taps, _ = target.prefill(PARAMS, TINY, jnp.asarray(tokens), jnp.asarray(lengths), 32,
+                                full.taps)
+    roots = jnp.asarray([3, 7, 11, 2], jnp.int32)
+    state = full.init(dp_full, Prefill(jnp.asarray(tokens), jnp.asarray(lengths), taps, roots, 32))
+    want = np.asarray(full.block_logits(dp_full, state, roots))[..., ids]
+    got = np.asarray(small.block_logits(dp_small, state, roots))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    seq = np.pad(tokens, ((0, 0), (0, 1)))
+    seq[np.arange(len(PROMPTS)), lengths] = np.asarray(roots)
+    ctx = Context(jnp.asarray(seq), jnp.asarray(lengths) + 1,
+                  sampling.SamplingParams.make(len(PROMPTS), 0.0, 0, 1.0))
+    proposal, _ = small.propose(dp_small, state, ctx, jax.random.key(0))
+    assert np.isin(np.asarray(proposal.tokens)[:, 1:], ids).all()
+    unrestricted, _ = full.propose(dp_full, state, ctx, jax.random.key(0))
+    assert not np.isin(np.asarray(unrestricted.tokens)[:, 1:], ids).all()
+
+
 def _reference_ddtree(logp, budget):
     """The reference's best-first heap on per-depth log-probs [Dp, V], in plain Python:
     (tokens, parents) of ``budget`` nodes in emission order."""
@@ -247,28 +283,32 @@ class NoiseSharingDrafter(DFlashDrafter):
         return dataclasses.replace(proposal, tokens=proposal.tokens.at[:, 1:].set(drawn)), state
 
 
-def _sampled_block_samples(cls, temperature, top_k, top_p, seeds=4):
+def _sampled_block_samples(cls, temperature, top_k, top_p, seeds=4, vocab=None):
     cfg = DFlashConfig.for_target(TINY8, n_layers=1, block_size=4, target_layer_ids=(0, 1))
     own = dflash.init_params(cfg, 3, scale=1.5)
+    own["token_order"] = jnp.asarray([6, 1, 4, 0, 7, 2, 3, 5], jnp.int32)
     tgt = DecoderTarget(TINY8)
-    drafter = cls(cfg, tgt, SampledBlock())
+    drafter = cls(cfg, tgt, SampledBlock(), vocab=vocab)
     sp = sampling.SamplingParams.make(ROWS, temperature, top_k, top_p)
     prompt = jnp.tile(jnp.asarray(PROMPT8, jnp.int32), (ROWS, 1))
     samples, accepted = [], 0
     for seed in range(seeds):
         out = decode.speculative_generate(
-            PARAMS8, dflash.drafter_params(own, PARAMS8), prompt, jnp.full((ROWS,), 2, jnp.int32),
+            PARAMS8, dflash.drafter_params(own, PARAMS8, target=tgt, vocab=vocab), prompt,
+            jnp.full((ROWS,), 2, jnp.int32),
             sp, jax.random.key(seed), target=tgt, drafter=drafter, max_new_tokens=3, capacity=16)
         samples.append(np.asarray(out.tokens))
         accepted += int(out.stats.accepted.sum())
     return np.concatenate(samples), accepted
 
 
-@pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, 0, 1.0), (0.7, 5, 0.9)])
-def test_sampled_block_preserves_the_target_law(temperature, top_k, top_p):
-    """Per-position draws with their marginals as q sample the exact law of plain sampling:
-    chi-square on 200k samples, alpha = 0.001."""
-    samples, accepted = _sampled_block_samples(DFlashDrafter, temperature, top_k, top_p)
+@pytest.mark.parametrize("temperature, top_k, top_p, vocab",
+                         [(1.0, 0, 1.0, None), (0.7, 5, 0.9, None), (1.0, 0, 1.0, 5)])
+def test_sampled_block_preserves_the_target_law(temperature, top_k, top_p, vocab):
+    """Per-position draws with their marginals as q sample the exact law of plain sampling,
+    over the whole vocabulary or 5 of its 8 ids: chi-square on 200k samples, alpha = 0.001."""
+    samples, accepted = _sampled_block_samples(DFlashDrafter, temperature, top_k, top_p,
+                                               vocab=vocab)
     assert accepted > len(samples) // 20
     assert chi_square_p(samples, exact_transformer_law(temperature, top_k, top_p)) > 1e-3
 
@@ -323,3 +363,21 @@ def test_bad_params_and_configs_name_the_problem():
         DFlashConfig.for_target(TINY, mask_token_id=61)
     with pytest.raises(ValueError, match="sliding_window >= block_size"):
         dataclasses.replace(CFG_TOKEN, sliding_window=4)
+    with pytest.raises(ValueError, match="carries no token_order"):
+        dflash.drafter_params(OWN, PARAMS, target=TGT, vocab=20)
+    with pytest.raises(ValueError, match="pass target="):
+        dflash.drafter_params(OWN_RANKED, PARAMS, vocab=20)
+    with pytest.raises(ValueError, match=r"draft vocabulary size 62 must be in \[1, 61\]"):
+        dflash.drafter_params(OWN_RANKED, PARAMS, target=TGT, vocab=62)
+    with pytest.raises(ValueError, match=r"vocabulary of 0 ids must be in \[1, 61\]"):
+        DFlashDrafter(CFG, TGT, vocab=0)
+    drafter = DFlashDrafter(CFG, TGT, vocab=20)
+    with pytest.raises(ValueError, match=r"build its params with dflash.drafter_params\(\.\.\., "
+                                         r"vocab=20\)"):
+        api.generate_tokens(TINY, PARAMS, PROMPTS, max_new_tokens=4, drafter=drafter,
+                            drafter_params=dflash.drafter_params(OWN_RANKED, PARAMS))
+    twice = dict(OWN, token_order=jnp.zeros((61,), jnp.int32))
+    with pytest.raises(ValueError, match="does not rank each of the 61 ids exactly once"):
+        dflash.check_params(CFG, twice)
+    with pytest.raises(ValueError, match=r"token_order has shape \(60,\)"):
+        dflash.check_params(CFG, dict(OWN, token_order=jnp.arange(60)))

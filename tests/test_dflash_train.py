@@ -208,6 +208,22 @@ def test_cli_trains_dflash_and_exports_it(records_dir, tmp_path, monkeypatch, ca
     cfg, own = official.load_dflash(run / "drafter", TINY)
     assert (cfg.block_size, cfg.layer.n_layers, cfg.mask_token_id) == (4, 1, None)
     assert "BF16" in (run / "drafter" / "model.safetensors").read_bytes()[:4096].decode("latin1")
+    # The export ranks the trained-on records' response tokens (its draft vocabulary); 'data
+    # rank' ranks a data directory's into any drafter the same way.
+    from specjax.drafters import vocab
+
+    trained_on = evaluate.hold_out(data.Records(records_dir), 4)[1]
+    ranking = vocab.frequency_order(data.token_counts(trained_on, TINY.vocab_size))
+    np.testing.assert_array_equal(np.asarray(own["token_order"]), ranking)
+    official.save_dflash(cfg, {k: v for k, v in own.items() if k != "token_order"},
+                         tmp_path / "unranked")
+    assert cli.main(["data", "rank", str(records_dir), "--drafter",
+                     str(tmp_path / "unranked")]) == 0
+    assert f"token_order of {TINY.vocab_size} ids" in capsys.readouterr().out
+    _, ranked = official.load_dflash(tmp_path / "unranked", TINY)
+    everything = vocab.frequency_order(data.token_counts(data.Records(records_dir),
+                                                         TINY.vocab_size))
+    np.testing.assert_array_equal(np.asarray(ranked["token_order"]), everything)
     # A warm start (--init) trains from the exported weights: one step at a vanishing learning
     # rate exports them unchanged; an option that contradicts their shape is refused.
     warm = tmp_path / "warm"

@@ -278,3 +278,8 @@ def test_draft_vocab_takes_the_most_frequent_ids_in_ascending_order():
     np.testing.assert_array_equal(np.arange(4) + d2t, [0, 2, 3, 6])
     # More ids than the data has seen: unseen ids fill in, smallest first.
     np.testing.assert_array_equal(np.arange(6) + eagle.draft_vocab(counts, 6), [0, 1, 2, 3, 4, 6])
+    # The ranking behind it (DFlash carries it whole): by count, ties to the smaller id.
+    from specjax.drafters import vocab
+
+    np.testing.assert_array_equal(vocab.frequency_order(counts), [2, 3, 6, 0, 4, 1, 5])
+    np.testing.assert_array_equal(vocab.top_ids(vocab.frequency_order(counts), 3), [2, 3, 6])

@@ -109,7 +109,7 @@ def test_eagle3_training_lowers_the_loss_and_raises_tau(records, tmp_path):
     assert len(taus) == 2 and taus[1] > taus[0] + 0.5, taus
     assert all(r["eval_greedy_equal"] for r in rows if "eval_tau" in r)
     # The draft vocabulary holds the most frequent response tokens of the training records.
-    counts = eagle_train.token_counts(evaluate.hold_out(records, 4)[1], TINY.vocab_size)
+    counts = data.token_counts(evaluate.hold_out(records, 4)[1], TINY.vocab_size)
     ids = np.arange(48) + np.asarray(own["d2t"])
     assert counts[ids].min() >= np.delete(counts, ids).max()
 

@@ -275,6 +275,52 @@ def test_dflash_export_then_import_round_trips(tmp_path, learned):
                  own, own2)
 
 
+def test_a_dflash_token_order_survives_export_and_can_be_added_later(tmp_path):
+    """A ranking is saved as exact int32 ids beside bfloat16 weights, loads back, and
+    ``set_token_order`` adds (or replaces) one in a drafter directory without touching the
+    weights' bytes; a ranking that repeats an id is refused before anything is written."""
+    from specjax.drafters import dflash
+    from specjax.drafters.dflash import DFlashConfig
+    from specjax.io.hf import SafetensorsFile
+
+    cfg = DFlashConfig.for_target(TARGET, n_layers=1, block_size=4, n_taps=3)
+    own = dflash.init_params(cfg, 5, scale=0.2)
+    order = np.random.default_rng(1).permutation(TARGET.vocab_size).astype(np.int32)
+    official.save_dflash(cfg, dict(own, token_order=jnp.asarray(order)), tmp_path / "a",
+                         dtype="bfloat16")
+    _, back = official.load_dflash(tmp_path / "a", TARGET)
+    np.testing.assert_array_equal(np.asarray(back["token_order"]), order)
+    official.save_dflash(cfg, own, tmp_path / "b", dtype="bfloat16")
+    before = {k: np.asarray(v) for k, v in
+              ((k, SafetensorsFile(tmp_path / "b" / "model.safetensors").get(k))
+               for k in SafetensorsFile(tmp_path / "b" / "model.safetensors").keys())}
+    with pytest.raises(ValueError, match="does not rank each of the 64 ids exactly once"):
+        official.set_token_order(tmp_path / "b", np.zeros(TARGET.vocab_size, np.int32))
+    _, plain = official.load_dflash(tmp_path / "b", TARGET)
+    assert "token_order" not in plain
+    for ranking in (order, order[::-1]):
+        official.set_token_order(tmp_path / "b", ranking)
+        f = SafetensorsFile(tmp_path / "b" / "model.safetensors")
+        assert set(f.keys()) == set(before) | {"token_order"}
+        for k, v in before.items():
+            np.testing.assert_array_equal(np.asarray(f.get(k)), v)
+        _, ranked = official.load_dflash(tmp_path / "b", TARGET)
+        np.testing.assert_array_equal(np.asarray(ranked["token_order"]), ranking)
+    # A default draft vocabulary goes into config.json beside it, and needs the ranking.
+    official.set_token_order(tmp_path / "b", order, draft_vocab_size=20)
+    cfg20, _ = official.load_dflash(tmp_path / "b", TARGET)
+    assert cfg20.draft_vocab_size == 20
+    official.save_dflash(cfg20, own, tmp_path / "c")
+    with pytest.raises(ValueError, match="sets draft_vocab_size but .* has no token_order"):
+        official.load_dflash(tmp_path / "c", TARGET)
+    with pytest.raises(ValueError, match=r"draft_vocab_size 65 must be in \[1, 64\]"):
+        official.set_token_order(tmp_path / "b", order, draft_vocab_size=65)
+    ecfg = EagleConfig.eagle1(TARGET)
+    official.save_eagle(ecfg, eagle.init_params(ecfg, 0), tmp_path / "eagle")
+    with pytest.raises(ValueError, match="not a DFlash drafter"):
+        official.set_token_order(tmp_path / "eagle", order)
+
+
 def test_dflash_mismatches_name_the_problem(tmp_path):
     import torch
 

@@ -37,7 +37,16 @@ Params are ``{"drafter": own, "target": the target's params}``::
            "layers": [{"attn_norm": [D], "wqkv": [D, K, G + 2, H], "q_norm": [H],
                        "k_norm": [H], "wo": [N * H, D], "mlp_norm": [D],
                        "w_gate_up": [D, 2, F], "w_down": [F, D]}, ...],
-           "mask_embedding": [D]   (only when the mask is learned, ``mask_token_id`` None)}
+           "mask_embedding": [D]   (only when the mask is learned, ``mask_token_id`` None),
+           "token_order": [V] int32   (optional: target ids, the most frequent in the
+                                       training data first; not trained)}
+
+**Draft vocabulary.** With ``DFlashDrafter(vocab=Vd)`` the head scores only the Vd first ids
+of ``token_order`` (:mod:`specjax.drafters.vocab`): :func:`drafter_params` gathers their rows
+of the target's head once, ``params["head"] = {"ids": [Vd] int32, "rows": [Vd, E]}``, and a
+pass costs a [D, Vd] product per block position instead of [D, V] (on SmolLM2 the full head
+is most of a pass). Proposals are drawn from those ids only; a sampled block's q is its
+marginal over them (0 elsewhere), so every policy stays lossless.
 
 Axis legend as in :mod:`specjax.models.layers`, plus E target width (= D), Bk block size,
 n taps, Kt top-k per depth.
@@ -51,9 +60,11 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from specjax import sampling
 from specjax.config import ModelConfig
+from specjax.drafters import vocab as vocab_lib
 from specjax.drafters.base import (CATCH_UP, Accepted, Context, Prefill, Proposal,
                                    chain_parents, check_shapes)
 from specjax.models import attention as attn
@@ -105,6 +116,10 @@ class DFlashConfig:
       sliding_window: the window of sliding layers (None when there are none).
       is_causal: None: a layer is causal inside the block iff it is a sliding layer; True or
         False: every layer is (or is not).
+      draft_vocab_size: the draft vocabulary the drafter is meant to draft from (the Vd first
+        ids of its ``token_order``; module docstring), which ``specjax generate`` and ``specjax
+        bench`` take by default; None: the whole vocabulary. Metadata: a
+        :class:`DFlashDrafter` drafts from the ``vocab`` it is given.
     """
 
     layer: ModelConfig
@@ -115,6 +130,7 @@ class DFlashConfig:
     layer_types: tuple[str, ...] | None = None
     sliding_window: int | None = None
     is_causal: bool | None = None
+    draft_vocab_size: int | None = None
 
     def __post_init__(self):
         if self.block_size < 2:
@@ -141,6 +157,8 @@ class DFlashConfig:
         if self.mask_token_id is not None and not 0 <= self.mask_token_id < v:
             raise ValueError(f"mask_token_id {self.mask_token_id} is outside the target "
                              f"vocabulary of {v}")
+        if self.draft_vocab_size is not None and not 1 <= self.draft_vocab_size <= v:
+            raise ValueError(f"draft_vocab_size {self.draft_vocab_size} must be in [1, {v}]")
 
     @property
     def types(self) -> tuple[str, ...]:
@@ -232,8 +250,12 @@ def deepen(cfg: DFlashConfig, own: dict, n_layers: int) -> tuple[DFlashConfig, d
 
 
 def check_params(cfg: DFlashConfig, own: dict) -> None:
-    """Raises ValueError when ``own`` does not fit ``cfg`` (keys and shapes)."""
-    check_shapes("DFlash", jax.eval_shape(lambda: init_params(cfg)), own)
+    """Raises ValueError when ``own`` does not fit ``cfg`` (keys and shapes; a ``token_order``
+    that does not rank the vocabulary)."""
+    weights = {k: v for k, v in own.items() if k != "token_order"}
+    check_shapes("DFlash", jax.eval_shape(lambda: init_params(cfg)), weights)
+    if "token_order" in own:
+        vocab_lib.check_order(np.asarray(own["token_order"]), cfg.vocab_size)
 
 
 # ----------------------------------------------------------------------------------------
@@ -452,18 +474,25 @@ class DFlashDrafter:
         and head the drafter reads from ``params["target"]``.
       policy: a :class:`BlockChain`, :class:`SampledBlock` or :class:`DDTree`.
       block: the block drafted per pass (default ``cfg.block_size``, the trained one).
+      vocab: Vd, draft from the Vd most frequent ids of the drafter's ``token_order`` only
+        (module docstring; the params from :func:`drafter_params` with the same ``vocab``);
+        None drafts over the target's whole vocabulary.
     """
 
     cfg: DFlashConfig
     target: Any
     policy: Any = BlockChain()
     block: int | None = None
+    vocab: int | None = None
 
     def __post_init__(self):
         if not isinstance(self.policy, (BlockChain, SampledBlock, DDTree)):
             raise ValueError(f"unknown DFlash proposal policy {self.policy!r}")
         if self.block is not None and self.block < 2:
             raise ValueError(f"a block holds the root and at least one mask, got {self.block}")
+        if self.vocab is not None and not 1 <= self.vocab <= self.cfg.vocab_size:
+            raise ValueError(f"a draft vocabulary of {self.vocab} ids must be in [1, "
+                             f"{self.cfg.vocab_size}]")
 
     @property
     def block_size(self) -> int:
@@ -527,7 +556,8 @@ class DFlashDrafter:
 
     def block_logits(self, params, state: DFlashState, roots: jax.Array) -> jax.Array:
         """One pass over ``[root, mask...]``: float32 logits [B, Bk - 1, V] of the tokens 1..Bk-1
-        places after each row's root."""
+        places after each row's root; [B, Bk - 1, Vd] over ``params["head"]["ids"]`` with a
+        draft vocabulary."""
         cfg, lc = self.cfg, self.cfg.layer
         cache, bk = state.cache, self.block_size
         b = roots.shape[0]
@@ -547,7 +577,13 @@ class DFlashDrafter:
             return attn.Causal() if cfg.causal(i) else attn.Full()
 
         out = draft_layers(cfg, params["drafter"], h, positions, context_block, block_rule)
-        return self.target.lm_head(params["target"], out[:, 1:])
+        if self.vocab is None:
+            return self.target.lm_head(params["target"], out[:, 1:])
+        head = params.get("head")
+        if head is None or head["ids"].shape != (self.vocab,):
+            raise ValueError(f"the drafter drafts from {self.vocab} ids: build its params with "
+                             f"dflash.drafter_params(..., vocab={self.vocab})")
+        return layers.matmul(out[:, 1:], head["rows"], "...d,vd->...v")
 
     def skip(self, params, state: DFlashState, ctx: Context) -> DFlashState:
         """Nothing to catch up: ``commit`` injects every committed position, drafted or not."""
@@ -558,26 +594,31 @@ class DFlashDrafter:
         the block's marginals of each node's tokens along its path)."""
         roots = ctx.root
         b = roots.shape[0]
-        logits = self.block_logits(params, state, roots)  # [B, Bk - 1, V]
+        logits = self.block_logits(params, state, roots)  # [B, Bk - 1, Vd]
         logp = jax.nn.log_softmax(logits, axis=-1)
         n = self.n_nodes
+        ids = None if self.vocab is None else params["head"]["ids"]
+        to_target = (lambda i: i) if ids is None else (lambda i: ids[i])  # noqa: E731
         if isinstance(self.policy, DDTree):
-            tokens, parents, _, score = ddtree(logp, self.policy.n_nodes)
-            return Proposal(jnp.concatenate([roots[:, None], tokens], axis=1), parents,
+            picks, parents, _, score = ddtree(logp, self.policy.n_nodes)
+            return Proposal(jnp.concatenate([roots[:, None], to_target(picks)], axis=1), parents,
                             jnp.ones((b, n), bool), confidence=jnp.exp(score)), state
         chain = chain_parents(b, n)
         if isinstance(self.policy, BlockChain):
-            drafts = sampling.argmax(logits)
-            return Proposal(jnp.concatenate([roots[:, None], drafts], axis=1), chain,
+            picks = sampling.argmax(logits)
+            return Proposal(jnp.concatenate([roots[:, None], to_target(picks)], axis=1), chain,
                             jnp.ones((b, n), bool),
-                            confidence=chain_confidence(logp, drafts)), state
-        probs = jnp.exp(sampling.log_probs(logits, ctx.sp))  # [B, Bk - 1, V]
+                            confidence=chain_confidence(logp, picks)), state
+        probs = jnp.exp(sampling.log_probs(logits, ctx.sp))  # [B, Bk - 1, Vd]
         u = jax.random.uniform(rng, (b, n - 1))
         drawn = jax.vmap(sampling.inverse_cdf_sample, in_axes=1, out_axes=1)(u, probs)
-        drafts = jnp.where(ctx.sp.greedy[:, None], sampling.argmax(logits), drawn)
+        picks = jnp.where(ctx.sp.greedy[:, None], sampling.argmax(logits), drawn)
+        if ids is not None:  # q over the target's ids: the marginals there, -inf elsewhere
+            logits = jnp.full(logits.shape[:-1] + (self.cfg.vocab_size,), -jnp.inf,
+                              jnp.float32).at[..., ids].set(logits)
         q = jnp.concatenate([logits, jnp.zeros((b, 1, logits.shape[-1]), jnp.float32)], axis=1)
-        return Proposal(jnp.concatenate([roots[:, None], drafts], axis=1), chain,
-                        jnp.ones((b, n), bool), q, chain_confidence(logp, drafts)), state
+        return Proposal(jnp.concatenate([roots[:, None], to_target(picks)], axis=1), chain,
+                        jnp.ones((b, n), bool), q, chain_confidence(logp, picks)), state
 
 
 def chain_confidence(logp: jax.Array, drafts: jax.Array) -> jax.Array:
@@ -585,13 +626,32 @@ def chain_confidence(logp: jax.Array, drafts: jax.Array) -> jax.Array:
     running product of ``exp(logp[k, drafts[k]])``, 1 for the root.
 
     Args:
-      logp: [B, N - 1, V] log-probabilities of positions 1..N-1.
-      drafts: [B, N - 1] the chain's tokens after the root.
+      logp: [B, N - 1, V] log-probabilities of positions 1..N-1 (over a draft vocabulary,
+        [B, N - 1, Vd]).
+      drafts: [B, N - 1] the chain's tokens after the root (their indices in that vocabulary).
     """
     own = jnp.take_along_axis(logp, drafts[..., None], axis=-1)[..., 0]  # [B, N - 1]
     return jnp.exp(jnp.pad(jnp.cumsum(own, axis=1), ((0, 0), (1, 0))))
 
 
-def drafter_params(own: dict, target_params: dict) -> dict:
-    """The params pytree a :class:`DFlashDrafter` takes: its own weights and the target's."""
-    return {"drafter": own, "target": target_params}
+def drafter_params(own: dict, target_params: dict, *, target=None,
+                   vocab: int | None = None) -> dict:
+    """The params pytree a :class:`DFlashDrafter` takes: its own weights and the target's, and
+    with ``vocab`` = Vd the rows of ``target``'s head (a
+    :class:`~specjax.targets.DraftingTarget`) of the Vd first ids of ``own["token_order"]``.
+
+    Raises:
+      ValueError: ``vocab`` without a ``target``, or for a drafter without a ``token_order``.
+    """
+    params = {"drafter": own, "target": target_params}
+    if vocab is None:
+        return params
+    if target is None:
+        raise ValueError("a draft vocabulary gathers rows of the target's head: pass target=")
+    if "token_order" not in own:
+        raise ValueError("this DFlash drafter carries no token_order (a ranking of the target's "
+                         "ids by frequency), so it has no draft vocabulary; give it one with "
+                         "'specjax data rank DATA --drafter DIR'")
+    ids = jnp.asarray(vocab_lib.top_ids(np.asarray(own["token_order"]), vocab))
+    params["head"] = {"ids": ids, "rows": target.head_rows(target_params, ids)}
+    return params

@@ -63,6 +63,7 @@ import numpy as np
 
 from specjax import sampling
 from specjax.config import ModelConfig
+from specjax.drafters import vocab
 from specjax.drafters.base import (CATCH_UP, Accepted, Context, Prefill, Proposal,
                                    chain_parents, check_shapes)
 from specjax.models import attention as attn
@@ -202,11 +203,7 @@ def draft_vocab(counts: np.ndarray, size: int) -> np.ndarray:
       [Vd] int32 offsets, ``target_id = i + d2t[i]``. Ties (unseen ids included) go to the
       smaller id, so a vocabulary larger than the data's still has exactly Vd ids.
     """
-    counts = np.asarray(counts)
-    if not 1 <= size <= counts.shape[0]:
-        raise ValueError(f"draft vocabulary size {size} must be in [1, {counts.shape[0]}]")
-    order = np.lexsort((np.arange(counts.shape[0]), -counts))  # by count desc, then id
-    used = np.sort(order[:size])
+    used = vocab.top_ids(vocab.frequency_order(counts), size)
     return (used - np.arange(size)).astype(np.int32)
 
 

@@ -17,7 +17,10 @@ DFlash drafters (``z-lab/*-DFlash-*``) are Qwen3-typed stacks without embedding 
 ``config.json`` carries ``block_size``, ``num_target_layers``, ``layer_types`` and
 ``dflash_config`` (``target_layer_ids``, ``mask_token_id``); the tensors are ``fc``,
 ``hidden_norm``, ``norm`` and ``layers.{i}.*`` (:data:`DFLASH_TABLE`). A drafter with a
-learned mask embedding writes ``mask_token_id: null`` and a ``mask_embedding`` [hidden] tensor.
+learned mask embedding writes ``mask_token_id: null`` and a ``mask_embedding`` [hidden] tensor;
+one with a draft vocabulary (:mod:`specjax.drafters.vocab`) a ``token_order`` [vocab] int32
+tensor, the target's ids by frequency in its training data, and optionally the size it drafts
+from by default, ``draft_vocab_size`` in config.json (both specjax's additions).
 
     cfg, own = official.load_dflash("Qwen3-8B-DFlash-b16", target_cfg)
     official.save_dflash(cfg, own, "out/")
@@ -398,11 +401,12 @@ def dflash_config_from_official(config: dict, target_cfg: ModelConfig, has_mask_
         rope_scaling=scaling, norm_eps=float(config.get("rms_norm_eps", 1e-6)),
         max_position_embeddings=int(config.get("max_position_embeddings", 32768)), dtype=dtype)
     types = config.get("layer_types")
+    vd = config.get("draft_vocab_size")
     return dflash.DFlashConfig(
         layer, block, ids, n_target, None if mask_id is None else int(mask_id),
         tuple(types) if types else None,
         int(config["sliding_window"]) if types and "sliding_attention" in types else None,
-        config.get("is_causal"))
+        config.get("is_causal"), None if vd is None else int(vd))
 
 
 def dflash_config_to_official(cfg) -> dict:
@@ -426,6 +430,8 @@ def dflash_config_to_official(cfg) -> dict:
     }
     if cfg.is_causal is not None:
         out["is_causal"] = cfg.is_causal
+    if cfg.draft_vocab_size is not None:
+        out["draft_vocab_size"] = cfg.draft_vocab_size
     return out
 
 
@@ -467,17 +473,28 @@ def load_dflash(path: str | Path, target_cfg: ModelConfig, dtype: str = "float32
             own[where[0]] = leaf
         else:
             own["layers"][where[1]][where[2]] = leaf
+    if "token_order" in tensors:
+        order = np.asarray(tensors["token_order"])
+        if not np.issubdtype(order.dtype, np.integer):
+            raise ValueError(f"token_order in {path / source} holds {order.dtype}, not ids")
+        own["token_order"] = jnp.asarray(order.astype(np.int32))
+    elif cfg.draft_vocab_size is not None:
+        raise ValueError(f"{path / 'config.json'} sets draft_vocab_size but {path / source} has "
+                         "no token_order to take those ids from")
     dflash.check_params(cfg, own)
     return cfg, own
 
 
 def dflash_tensors(cfg, own: dict) -> list[tuple[str, np.ndarray]]:
-    """``(official name, array)`` of every tensor of a DFlash drafter, torch layout."""
+    """``(official name, array)`` of every tensor of a DFlash drafter, torch layout (and its
+    ``token_order`` as int32, a specjax addition that official loaders do not read)."""
     tensors = []
     for where, row in _dflash_rows(cfg):
         leaf = own[where[0]] if len(where) == 1 else own["layers"][where[1]][where[2]]
         for name, t in zip(row.names, row.transform.from_ours(np.asarray(leaf), cfg.layer)):
             tensors.append((name, np.ascontiguousarray(t)))
+    if "token_order" in own:
+        tensors.append(("token_order", np.asarray(own["token_order"], np.int32)))
     return tensors
 
 
@@ -493,9 +510,50 @@ def save_dflash(cfg, own: dict, out_dir: str | Path, dtype: str | None = None) -
     dflash.check_params(cfg, own)
     if dtype is not None:
         cfg = dataclasses.replace(cfg, layer=cfg.layer.replace(dtype=dtype))
-        own = jax.tree.map(lambda x: x.astype(cfg.layer.jnp_dtype), own)
+        weights = {k: v for k, v in own.items() if k != "token_order"}
+        own = dict(own, **jax.tree.map(lambda x: x.astype(cfg.layer.jnp_dtype), weights))
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     write_safetensors(out / "model.safetensors", dflash_tensors(cfg, own))
     (out / "config.json").write_text(json.dumps(dflash_config_to_official(cfg), indent=2) + "\n")
     return out
+
+
+def set_token_order(path: str | Path, order: np.ndarray,
+                    draft_vocab_size: int | None = None) -> Path:
+    """Writes a ranking of the target's ids (``token_order`` [V], the most frequent first, see
+    :mod:`specjax.drafters.vocab`) into the DFlash drafter directory ``path``, replacing any
+    it had; the other tensors are kept byte for byte. ``model.safetensors`` is rewritten
+    through a temporary file, so an interrupted write leaves the old one. With
+    ``draft_vocab_size``, config.json's ``draft_vocab_size`` (the drafter's default draft
+    vocabulary) is set too. Returns the tensor file's path.
+
+    Raises:
+      FileNotFoundError: no config.json or model.safetensors in ``path``.
+      ValueError: not a DFlash drafter, or ``order`` does not rank its vocabulary.
+    """
+    from specjax.drafters import vocab
+
+    path = Path(path)
+    if not (path / "config.json").exists():
+        raise FileNotFoundError(f"no config.json in {path}")
+    config = json.loads((path / "config.json").read_text())
+    st = path / "model.safetensors"
+    if not st.exists():
+        raise FileNotFoundError(f"no model.safetensors in {path}")
+    if "block_size" not in config and "dflash_config" not in config:
+        raise ValueError(f"{path} is not a DFlash drafter: its config.json has no block_size "
+                         "or dflash_config")
+    f = SafetensorsFile(st)
+    size = int(config["vocab_size"])
+    vocab.check_order(order, size)
+    if draft_vocab_size is not None and not 1 <= draft_vocab_size <= size:
+        raise ValueError(f"draft_vocab_size {draft_vocab_size} must be in [1, {size}]")
+    tensors = [(k, np.asarray(f.get(k))) for k in f.keys() if k != "token_order"]
+    tmp = st.with_name(st.name + ".tmp")
+    write_safetensors(tmp, tensors + [("token_order", np.asarray(order, np.int32))])
+    tmp.replace(st)
+    if draft_vocab_size is not None:
+        config["draft_vocab_size"] = int(draft_vocab_size)
+        (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return st

@@ -203,20 +203,14 @@ def forward_hidden(
     return hidden, tap_states, cache_lib.KVCache(ks, vs, cache.lengths)
 
 
-def lm_head(params: dict, cfg: ModelConfig, hidden: jax.Array,
-            vocab_ids: jax.Array | None = None) -> jax.Array:
+def lm_head(params: dict, cfg: ModelConfig, hidden: jax.Array) -> jax.Array:
     """Float32 logits [..., V] from final hidden states [..., D].
 
     A tied head multiplies by ``embed`` [V, D], or by its copy ``tied_head`` [D, V] where the
     params hold one (:func:`specjax.io.layout.with_tied_head`), except for a single float32
     row (a single bfloat16 row runs as two, :func:`specjax.models.layers.matmul`); an untied
     one by ``lm_head`` [D, V], or by its one-row copy ``lm_head_t`` [V, D] for a single row.
-    With ``vocab_ids`` [V'] (a reduced draft vocabulary, say) only those rows of the head are
-    gathered and the logits are [..., V'], in the order of ``vocab_ids``.
     """
-    if vocab_ids is not None:
-        w = (params["embed"] if cfg.tie_embeddings else params["lm_head"].T)[vocab_ids]  # [V', D]
-        return layers.matmul(hidden, w, "...d,vd->...v")
     if cfg.tie_embeddings:
         one_f32_row = np.prod(hidden.shape[:-1]) == 1 and hidden.dtype != jnp.bfloat16
         if "tied_head" in params and not one_f32_row:
@@ -226,6 +220,12 @@ def lm_head(params: dict, cfg: ModelConfig, hidden: jax.Array,
         return layers.matmul(hidden, params["lm_head_t"], "...d,vd->...v")
     return layers.matmul(hidden, params["lm_head"], "...d,dv->...v")
 
+
+
+def head_rows(params: dict, cfg: ModelConfig, vocab_ids: jax.Array) -> jax.Array:
+    """The LM head's rows [V', D] of the ids ``vocab_ids`` [V'], in their order: the logits of
+    those ids are ``hidden @ rows.T`` (a reduced draft vocabulary gathers them once)."""
+    return (params["embed"] if cfg.tie_embeddings else params["lm_head"].T)[vocab_ids]
 
 def forward(
     params: dict,

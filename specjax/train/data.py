@@ -211,6 +211,15 @@ class Records:
         return int(self._loss_mask.sum())
 
 
+def token_counts(records, vocab_size: int) -> np.ndarray:
+    """[V] how often each id occurs as a response token (``loss_mask``) in ``records``."""
+    counts = np.zeros(vocab_size, np.int64)
+    for r in range(len(records)):
+        tokens, mask = records[r]
+        counts += np.bincount(np.asarray(tokens)[np.asarray(mask, bool)], minlength=vocab_size)
+    return counts
+
+
 # ------------------------------------------------------------------------------ packing
 
 

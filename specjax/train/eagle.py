@@ -29,7 +29,8 @@ Every step runs the frozen target teacher-forced over the packed batch
   0.1 x the soft cross-entropy of the target's head on the two.
 
 The draft vocabulary of EAGLE-3 (``d2t``) comes from the token counts of the training records'
-response tokens (:func:`token_counts`, :func:`specjax.drafters.eagle.draft_vocab`).
+response tokens (:func:`specjax.train.data.token_counts`,
+:func:`specjax.drafters.eagle.draft_vocab`).
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ from specjax.drafters.eagle import EagleConfig, EagleDrafter
 from specjax.models import attention as attn
 from specjax.models import target
 from specjax.targets import DecoderTarget
-from specjax.train import evaluate, loop
+from specjax.train import data, evaluate, loop
 from specjax.train.draft_model import BesideTarget
 
 LABEL_CHUNK = 256  # positions per target-head chunk: [B, chunk, V] logits at a time
@@ -65,15 +66,6 @@ class EagleModule(BesideTarget):
                          constant=lambda path: getattr(path[-1], "key", None) == "d2t")
         self.cfg = cfg
         self.target_cfg = target_cfg
-
-
-def token_counts(records, vocab_size: int) -> np.ndarray:
-    """[V] how often each id occurs as a response token (``loss_mask``) in ``records``."""
-    counts = np.zeros(vocab_size, np.int64)
-    for r in range(len(records)):
-        tokens, mask = records[r]
-        counts += np.bincount(np.asarray(tokens)[np.asarray(mask, bool)], minlength=vocab_size)
-    return counts
 
 
 def _shift(x: jax.Array, n: int) -> jax.Array:
@@ -273,8 +265,8 @@ def train(target_cfg: ModelConfig, target_params: dict, records, source: loop.Da
     elif version == 3:
         cfg = EagleConfig.eagle3(target_cfg, draft_vocab_size=draft_vocab_size)
         own = eagle.init_params(cfg, seed)
-        own["d2t"] = jnp.asarray(eagle.draft_vocab(token_counts(records, target_cfg.vocab_size),
-                                                   cfg.draft_vocab_size))
+        counts = data.token_counts(records, target_cfg.vocab_size)
+        own["d2t"] = jnp.asarray(eagle.draft_vocab(counts, cfg.draft_vocab_size))
     else:
         cfg = EagleConfig.eagle1(target_cfg)
         own = eagle.init_params(cfg, seed)

@@ -1,0 +1,42 @@
+"""Reduced draft vocabularies: the most frequent target ids, ranked from token counts.
+
+A drafter that scores only the Vd ids its target emits most often pays for a [D, Vd] head
+instead of [D, V] at every drafted position, and stays lossless: verification accepts or
+rejects whatever it drafts, and a sampled draft's q is its own distribution over those ids (0
+elsewhere). EAGLE-3 trains its own head over such a vocabulary (``d2t``); a DFlash drafter
+restricts the target's head to the top of a ranking it carries (``token_order``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def frequency_order(counts: np.ndarray) -> np.ndarray:
+    """[V] int32 target ids, the most frequent first: by count, descending, ties (unseen ids
+    included) to the smaller id.
+
+    Args:
+      counts: [V] how often each target id occurs as a trained-on token.
+    """
+    counts = np.asarray(counts)
+    return np.lexsort((np.arange(counts.shape[0]), -counts)).astype(np.int32)
+
+
+def top_ids(order: np.ndarray, size: int) -> np.ndarray:
+    """[size] int32: the ``size`` first ids of a ranking ``order`` [V], ascending."""
+    order = np.asarray(order)
+    if not 1 <= size <= order.shape[0]:
+        raise ValueError(f"draft vocabulary size {size} must be in [1, {order.shape[0]}]")
+    return np.sort(order[:size]).astype(np.int32)
+
+
+def check_order(order: np.ndarray, vocab_size: int) -> None:
+    """Raises ValueError unless ``order`` ranks each of the ``vocab_size`` ids exactly once."""
+    order = np.asarray(order)
+    if order.shape != (vocab_size,):
+        raise ValueError(f"token_order has shape {order.shape}; it must rank the target's "
+                         f"{vocab_size} ids, shape ({vocab_size},)")
+    if not np.array_equal(np.sort(order), np.arange(vocab_size)):
+        raise ValueError(f"token_order does not rank each of the {vocab_size} ids exactly once "
+                         "(an id repeats or lies outside the vocabulary)")
