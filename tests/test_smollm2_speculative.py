@@ -35,9 +35,10 @@ NEAR_TIE_BF16 = 0.25
 
 
 DRAFTERS = ["ngram k=6", "draft-model L=2 k=3", "shipped eagle3, tree N=16",
-            "shipped eagle1, tree N=16", "shipped dflash, block chain",
-            "shipped dflash, ddtree N=16"]
-BF16_DRAFTERS = ["ngram k=6", "shipped eagle3, tree N=16", "shipped dflash, ddtree N=16"]
+            "shipped eagle1, tree N=16", "shipped dflash, block chain, all ids",
+            "shipped dflash, ddtree N=16, its draft vocabulary"]
+BF16_DRAFTERS = ["ngram k=6", "shipped eagle3, tree N=16",
+                 "shipped dflash, ddtree N=16, its draft vocabulary"]
 
 
 def _drafter(model, name):
@@ -55,9 +56,11 @@ def _drafter(model, name):
                 eagle.drafter_params(own, model.params))
     dcfg, down = official.load_dflash(shipped_drafter("smollm2-135m", "dflash"), model.cfg,
                                        dtype=model.cfg.dtype)
-    drafter = (dflash.DFlashDrafter(dcfg, tgt, dflash.DDTree(16)) if "ddtree" in name
-               else dflash.DFlashDrafter(dcfg, tgt))
-    return drafter, dflash.drafter_params(down, model.params)
+    assert dcfg.draft_vocab_size is not None  # the shipped drafter names its default
+    vocab = dcfg.draft_vocab_size if "draft vocabulary" in name else None
+    policy = dflash.DDTree(16) if "ddtree" in name else dflash.BlockChain()
+    return (dflash.DFlashDrafter(dcfg, tgt, policy, vocab=vocab),
+            dflash.drafter_params(down, model.params, target=tgt, vocab=vocab))
 
 
 def _plain_run(model):
