@@ -129,12 +129,6 @@ def _draft_vocab(text: str) -> int | str:
     return size
 
 
-def resolve_draft_vocab(given: int | str | None, dcfg) -> int | None:
-    """The DFlash draft vocabulary of a ``--draft-vocab`` value (None: the drafter's
-    ``draft_vocab_size``; ``"full"``: the whole vocabulary, returned as None)."""
-    return dcfg.draft_vocab_size if given is None else None if given == "full" else given
-
-
 def _dflash_weights(args, cfg, params):
     """(DFlash config, drafter params, draft vocabulary) from --drafter or the shipped DFlash
     drafter, and --draft-vocab."""
@@ -145,7 +139,7 @@ def _dflash_weights(args, cfg, params):
 
     path = Path(args.drafter) if args.drafter else shipped_drafter(args.model, "dflash")
     dcfg, own = official.load_dflash(path, cfg, dtype=cfg.dtype)
-    vocab = resolve_draft_vocab(args.draft_vocab, dcfg)
+    vocab = dflash.resolve_vocab(dcfg, args.draft_vocab)
     return dcfg, dflash.drafter_params(own, params, target=DecoderTarget(cfg),
                                        vocab=vocab), vocab
 

@@ -144,8 +144,7 @@ def methods(model, names: Sequence[str], *, model_name: str, cost_aware: str = "
         if name in ("dflash", "ddtree"):
             dcfg, own = official.load_dflash(dflash_dir or shipped_drafter(model_name, "dflash"),
                                              cfg, dtype=cfg.dtype)
-            vd = (dcfg.draft_vocab_size if draft_vocab is None
-                  else None if draft_vocab == "full" else draft_vocab)
+            vd = dflash.resolve_vocab(dcfg, draft_vocab)
             dp = dflash.drafter_params(own, params, target=tgt, vocab=vd)
             tag = "" if vd is None else f" V={vd}"
             if name == "ddtree":

@@ -171,7 +171,7 @@ def test_draft_vocab_option_resolves_against_the_drafter():
     parse = cli.build_parser().parse_args
     base = ["generate", "--prompt", "x", "--method", "dflash"]
     assert parse(base).draft_vocab is None
-    assert [cli.resolve_draft_vocab(parse(base + extra).draft_vocab, c)
+    assert [dflash.resolve_vocab(c, parse(base + extra).draft_vocab)
             for extra in ([], ["--draft-vocab", "full"], ["--draft-vocab", "7"])
             for c in (cfg, ranked)] == [None, 12, None, None, 7, 7]
     for bad in ("0", "all"):

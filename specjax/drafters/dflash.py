@@ -634,6 +634,14 @@ def chain_confidence(logp: jax.Array, drafts: jax.Array) -> jax.Array:
     return jnp.exp(jnp.pad(jnp.cumsum(own, axis=1), ((0, 0), (1, 0))))
 
 
+def resolve_vocab(cfg: DFlashConfig, given: int | str | None) -> int | None:
+    """The draft vocabulary to draft from (a :class:`DFlashDrafter`'s ``vocab``): ``given``
+    ids; the whole vocabulary (None) for ``"full"``; ``cfg.draft_vocab_size`` for None."""
+    if given is None:
+        return cfg.draft_vocab_size
+    return None if given == "full" else given
+
+
 def drafter_params(own: dict, target_params: dict, *, target=None,
                    vocab: int | None = None) -> dict:
     """The params pytree a :class:`DFlashDrafter` takes: its own weights and the target's, and
