@@ -9,6 +9,7 @@ generation call, and strips padding from the result.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import time
 from collections.abc import Sequence
@@ -108,6 +109,20 @@ class GenerateResult:
 # long-running process that compiles many configurations, a benchmark sweep, keeps only these.
 _COMPILED: collections.OrderedDict = collections.OrderedDict()
 COMPILED_MAX = 16
+
+
+@contextlib.contextmanager
+def keeping(n: int):
+    """Room for ``n`` more executables beside the cached ones while inside: a benchmark that
+    cycles through ``n`` configurations round after round would otherwise compile each of them
+    again every round once the cache overflows ``COMPILED_MAX``."""
+    global COMPILED_MAX
+    before = COMPILED_MAX
+    COMPILED_MAX = max(before, len(_COMPILED) + n)
+    try:
+        yield
+    finally:
+        COMPILED_MAX = before
 
 
 def request_limits(max_new_tokens: int | Sequence[int], n: int) -> np.ndarray:

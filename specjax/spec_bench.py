@@ -118,8 +118,10 @@ def prompt_sets(files: Sequence[str], templates: Sequence[str], n: int) -> dict[
 
 def _decode_seconds(cfg, params, batch, max_new_tokens, cache_size, drafter, dparams,
                     temperature, width, budget=None):
+    # One executable for both calls: the token limit is traced below new_tokens_width.
     kw = dict(cache_size=cache_size, drafter=drafter, drafter_params=dparams,
-              temperature=temperature, prompt_width=width, budget=budget)
+              temperature=temperature, prompt_width=width, budget=budget,
+              new_tokens_width=max_new_tokens)
     full = api.generate_tokens(cfg, params, batch, max_new_tokens=max_new_tokens, **kw)
     first = api.generate_tokens(cfg, params, batch, max_new_tokens=1, **kw)
     return max(full.run_s - first.run_s, 1e-9), full
@@ -281,26 +283,27 @@ def run_spec_benchmark(model, prompts: Sequence[str] | Mapping[str, Sequence[str
     outputs, taus = {}, {name: [None] * len(batches) for name in configs}
     hists = {name: [0] * len(batches) for name in configs}
     widths = {name: [(0, 0)] * len(batches) for name in configs}  # (nodes verified, cycles)
-    log(f"warming up (compiling {len(configs)} configurations) ...")
-    for name, (c, p, d, dp) in configs.items():
-        t0 = time.perf_counter()
-        _decode_seconds(c, p, batches[0][1], max_new_tokens, cache_size, d, dp, temperature,
-                        width, budgets.get(name))
-        log(f"  {name}: {time.perf_counter() - t0:.1f} s")
-    for r in range(repeats):
-        for i, (_, ids) in enumerate(batches):
-            for name, (c, p, d, dp) in configs.items():
-                secs, res = _decode_seconds(c, p, ids, max_new_tokens, cache_size, d, dp,
-                                            temperature, width, budgets.get(name))
-                best[name][i] = min(best[name][i], secs)
-                outputs[name, i] = res.tokens
-                if r == 0:
-                    taus[name][i] = res.tau
-                    if res.stats is not None:
-                        hists[name][i] = np.asarray(res.stats.accept_hist).sum(0)
-                        widths[name][i] = (int(res.stats.verified.sum()),
-                                           int(res.stats.cycles.sum()))
-        log(f"round {r + 1}/{repeats} done")
+    with api.keeping(len(configs)):  # one executable per configuration, each kept
+        log(f"warming up (compiling {len(configs)} configurations) ...")
+        for name, (c, p, d, dp) in configs.items():
+            t0 = time.perf_counter()
+            _decode_seconds(c, p, batches[0][1], max_new_tokens, cache_size, d, dp, temperature,
+                            width, budgets.get(name))
+            log(f"  {name}: {time.perf_counter() - t0:.1f} s")
+        for r in range(repeats):
+            for i, (_, ids) in enumerate(batches):
+                for name, (c, p, d, dp) in configs.items():
+                    secs, res = _decode_seconds(c, p, ids, max_new_tokens, cache_size, d, dp,
+                                                temperature, width, budgets.get(name))
+                    best[name][i] = min(best[name][i], secs)
+                    outputs[name, i] = res.tokens
+                    if r == 0:
+                        taus[name][i] = res.tau
+                        if res.stats is not None:
+                            hists[name][i] = np.asarray(res.stats.accept_hist).sum(0)
+                            widths[name][i] = (int(res.stats.verified.sum()),
+                                               int(res.stats.cycles.sum()))
+            log(f"round {r + 1}/{repeats} done")
     sets = []
     for set_name, ids in encoded.items():
         idx = [i for i, (n, _) in enumerate(batches) if n == set_name]

@@ -1,11 +1,15 @@
-"""The benchmark reports (tables built from result dicts) and the HF engine's model (the
-measurements themselves are benchmarks, never tests)."""
+"""The benchmark reports (tables built from result dicts), the HF engine's model, and how
+often the speculative benchmark compiles (the measurements themselves are benchmarks, never
+tests)."""
 
 from __future__ import annotations
 
 import pytest
 
 from specjax import api, bench, engines, spec_bench
+from specjax.config import ModelConfig
+from specjax.io.models import LoadedModel
+from specjax.models import target
 
 
 def test_spec_report_lists_every_prompt_of_every_drafter():
@@ -26,6 +30,39 @@ def test_spec_report_lists_every_prompt_of_every_drafter():
     per_prompt = [line for line in report.splitlines() if line.strip().startswith("ngram k=8")]
     assert per_prompt[-1].split() == ["ngram", "k=8", "tau", "6.14", "3.02x", "|", "tau", "1.67",
                                       "1.18x"]
+
+
+class _CharTokenizer:
+    def encode_chat(self, messages):
+        return [3 + ord(c) % 50 for c in messages[-1]["content"]]
+
+
+def test_spec_benchmark_compiles_each_configuration_once(monkeypatch):
+    """More configurations than the executable cache holds (3 against ``COMPILED_MAX`` 2), two
+    prompt sets, two rounds: every executable still compiles once, not again every round, and
+    the cache's limit is back afterwards."""
+    cfg = ModelConfig(arch="llama", vocab_size=61, d_model=32, n_layers=2, n_heads=4,
+                      n_kv_heads=2, head_dim=8, d_ff=48)
+    model = LoadedModel(cfg, target.init_params(cfg, 0), _CharTokenizer())
+    monkeypatch.setattr(api, "COMPILED_MAX", 2)
+    compiles = []
+    compiled = api._compiled
+
+    def counting(fn, args, traced, statics):
+        exe, seconds = compiled(fn, args, traced, statics)
+        if seconds:
+            compiles.append((fn, tuple(sorted(statics.items(), key=lambda kv: kv[0]))))
+        return exe, seconds
+
+    monkeypatch.setattr(api, "_compiled", counting)
+    result = spec_bench.run_spec_benchmark(
+        model, {"a": ["copy copy copy", "abc abc"], "b": ["xyz xyz xyz"]}, max_new_tokens=6,
+        nodes=(1, 2), repeats=2, draft_lens=(2, 3), methods=("ngram",),
+        dtypes=("float32",), log=lambda *_: None)
+    assert [len(s["drafters"]) for s in result["sets"]] == [3, 3]
+    assert len(compiles) == len(set(compiles))
+    assert sum(dict(st).get("drafter") is not None for _, st in compiles) == 2  # both ngrams
+    assert api.COMPILED_MAX == 2
 
 
 def test_plain_table_fits_every_engine_name():
