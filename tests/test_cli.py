@@ -146,16 +146,19 @@ def test_dflash_drafter_from_a_directory_keeps_the_greedy_text(cli_model, tmp_pa
     assert rc == 0, err
     assert re.search(rf"\[{method}: \d+ verify cycles, tau = [\d.]+", err), err
     assert out == plain
-    # A draft vocabulary needs the drafter's token ranking; with one it drafts from its top.
+    # A draft vocabulary needs the drafter's token ranking; with one it drafts from its top
+    # (at a fixed budget: the harness runs any proposal, and each of these drafters would
+    # measure a cost table of its own).
     vocab = ["--draft-vocab", "12"]
     rc, _, err = _run(capsys, *argv, "--method", method, "--drafter", str(tmp_path / "drafter"),
-                      "--tree-nodes", "6", *budget, *vocab)
+                      "--tree-nodes", "6", "--fixed-budget", *vocab)
     assert rc != 0 and "carries no token_order" in err and "specjax data rank" in err
     order = np.random.default_rng(0).permutation(cfg.vocab_size)
     official.set_token_order(tmp_path / "drafter", order, draft_vocab_size=12)
     for choice in (vocab, [], ["--draft-vocab", "full"]):  # 12, the drafter's default, all
         rc, out, err = _run(capsys, *argv, "--method", method, "--drafter",
-                            str(tmp_path / "drafter"), "--tree-nodes", "6", *budget, *choice)
+                            str(tmp_path / "drafter"), "--tree-nodes", "6", "--fixed-budget",
+                            *choice)
         assert rc == 0, err
         assert out == plain
 
