@@ -221,11 +221,11 @@ def lm_head(params: dict, cfg: ModelConfig, hidden: jax.Array) -> jax.Array:
     return layers.matmul(hidden, params["lm_head"], "...d,dv->...v")
 
 
-
 def head_rows(params: dict, cfg: ModelConfig, vocab_ids: jax.Array) -> jax.Array:
     """The LM head's rows [V', D] of the ids ``vocab_ids`` [V'], in their order: the logits of
     those ids are ``hidden @ rows.T`` (a reduced draft vocabulary gathers them once)."""
     return (params["embed"] if cfg.tie_embeddings else params["lm_head"].T)[vocab_ids]
+
 
 def forward(
     params: dict,
