@@ -341,7 +341,7 @@ def monotone(values: Sequence[float]) -> list[float]:
 
 def loop_cost_table(cfg: ModelConfig, params: dict, drafter, dparams, buckets: Sequence[int],
                     *, batch: int, context: int, key: dict, progress=None, tokens: int = 32,
-                    trials: int = 5):
+                    trials: int = 5, verify_curve=None):
     """A :class:`specjax.harness.CostTable` for ``drafter`` verified at ``buckets``, priced in
     the decoding loop: the level from the loop, the differences between buckets from the
     verify curve.
@@ -361,6 +361,11 @@ def loop_cost_table(cfg: ModelConfig, params: dict, drafter, dparams, buckets: S
       progress: optional callable ``(stage, n, seconds)`` after each measurement (``"draft"``,
         ``"verify"`` for each node count, then :func:`measure_loop_costs`'s).
       tokens, trials: the loop timing's (:func:`measure_loop_costs`).
+      verify_curve: optional callable returning a verify curve (:class:`VerifyCosts`)
+        measured at this ``batch`` and ``context`` whose points include every drafted bucket (a sweep
+        measures one for all its tables and its time split); default: one measured here.
+    Raises:
+      ValueError: ``verify_curve`` gave a curve at another context or without a bucket.
     """
     from specjax import harness
 
@@ -371,8 +376,18 @@ def loop_cost_table(cfg: ModelConfig, params: dict, drafter, dparams, buckets: S
     draft = measure_draft_cost(cfg, params, drafter, dparams, prompts, slots, width=context)
     report("draft", drafter.n_nodes, draft)
     drafted = [n for n in buckets if n]
-    curve = measure_verify_costs(cfg, params, drafted, context=context, batch=batch,
-                                 progress=lambda n, sec: report("verify", n, sec))
+    if verify_curve is None:
+        curve = measure_verify_costs(cfg, params, drafted, context=context, batch=batch,
+                                     progress=lambda n, sec: report("verify", n, sec))
+    else:
+        curve = verify_curve()
+        missing = sorted(set(drafted) - set(curve.nodes))
+        if curve.context != context or missing:
+            raise ValueError(f"the verify curve given (context {curve.context}, nodes "
+                             f"{list(curve.nodes)}) does not price this table's buckets "
+                             f"{drafted} at context {context}")
+        for n in drafted:
+            report("verify", n, curve.at(n))
     largest = drafted[-1]
     cycles, step = measure_loop_costs(cfg, params, drafter, dparams, buckets, timed=(largest,),
                                       batch=batch, context=context, tokens=tokens,
@@ -446,7 +461,7 @@ def drafter_table_key(cfg: ModelConfig, drafter, *, batch: int, context: int,
 
 def drafter_cost_table(cfg: ModelConfig, params: dict, drafter, dparams, *, batch: int,
                        context: int, key: dict, path: Path | None = None, progress=None,
-                       reuse: bool = True, replacing=None):
+                       reuse: bool = True, replacing=None, verify_curve=None):
     """The cost table of ``drafter`` as it stands (sized once; the loop verifies the first
     ``budget_buckets(drafter.n_nodes)`` of its nodes), read from ``path`` when that file was
     measured for the same key, else measured and written there.
@@ -462,6 +477,8 @@ def drafter_cost_table(cfg: ModelConfig, params: dict, drafter, dparams, *, batc
       replacing: optional callable ``(why)`` before a file at ``path`` that holds no table for
         this key is measured again: ``why`` names the differing key entries (``"batch 1, not
         4"``), or says the file is not a cost table.
+      verify_curve: passed to :func:`loop_cost_table` (called only when the table is
+        measured).
     Returns:
       ``(table, measured)``: a :class:`specjax.harness.CostTable` and whether it was measured
       now.
@@ -486,7 +503,8 @@ def drafter_cost_table(cfg: ModelConfig, params: dict, drafter, dparams, *, batc
         if replacing is not None:
             replacing(why)
     table = loop_cost_table(cfg, params, drafter, dparams, buckets, batch=batch,
-                            context=context, key=full_key, progress=progress)
+                            context=context, key=full_key, progress=progress,
+                            verify_curve=verify_curve)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(table.to_json())

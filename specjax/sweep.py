@@ -37,8 +37,10 @@ depends on it.
 **Time split.** A cycle's time is split by separately jitted measurements of its stages: the
 drafter's ``propose`` alone (:func:`specjax.calibrate.measure_draft_cost`), and a verify pass
 at the cell's mean verified width (:func:`specjax.calibrate.measure_verify_costs`); what is
-left of the cycle (commit, the drafter's commit, bookkeeping) is ``other``. Peak memory is
-XLA's figure for the compiled generation call.
+left of the cycle (commit, the drafter's commit, bookkeeping) is ``other``. One verify curve
+per batch size and context serves the time split and every cost table the sweep measures
+(its points cover the tables' buckets). Peak memory is XLA's figure for the compiled
+generation call.
 
 Record fields (the latency ones None with ``run(latency=False)``): ``method``,
 ``cost_aware``, ``set``, ``temperature``, ``batch``, ``context`` (None: the prompts as they
@@ -223,6 +225,9 @@ def run(model, prompt_sets: Mapping[str, Sequence[str]], method_list: Sequence[M
     stops = tuple(tok.eos_ids)
     records = []
     nodes = sorted({1, 2, widest} | {n for n in (4, 8, 16, 32, 64) if n < widest})
+    # The verify curve's points: the time split's and every cost table's buckets.
+    points = sorted(set(nodes) | {n for m in method_list if m.cost_aware
+                                  for n in calibrate.budget_buckets(m.drafter.n_nodes) if n})
     for b, ctx_len in itertools.product(batches, contexts):
         sets = {name: ps if ctx_len is None else
                 suite.with_context(ps, lambda x: len(chat(x)), ctx_len)
@@ -230,19 +235,29 @@ def run(model, prompt_sets: Mapping[str, Sequence[str]], method_list: Sequence[M
         encoded = {name: [chat(p) for p in ps] for name, ps in sets.items()}
         context = calibrate.cost_context(
             int(np.mean([len(p) for ids in encoded.values() for p in ids])), max_new_tokens)
-        # One verify curve per batch size and context, for the time split.
-        curve, draft_ms, budgets = None, {}, {}
+        # One verify curve per batch size and context, measured on first need: for the cost
+        # tables not yet measured and for the time split.
+        curves, draft_ms, budgets = [], {}, {}
+
+        def verify_curve(b=b, context=context):
+            if not curves:
+                curves.append(calibrate.measure_verify_costs(cfg, params, points,
+                                                             context=context, batch=b))
+            return curves[0]
+
         # Each gated method's draft gate per temperature (what a drafter's confidences predict
         # depends on it), carried from request to request as a server would.
         gates = {}
-        if latency and any(m.drafter is not None for m in method_list):
-            curve = calibrate.measure_verify_costs(cfg, params, nodes, context=context, batch=b)
         for m in method_list:
             if m.cost_aware:
                 table, _ = calibrate.drafter_cost_table(
                     cfg, params, m.drafter, m.dparams, batch=b, context=context,
-                    key=dict(model=model_name or repr(cfg), drafter=repr(m.drafter)))
+                    key=dict(model=model_name or repr(cfg), drafter=repr(m.drafter)),
+                    verify_curve=verify_curve)
                 budgets[m.name] = table.budget()
+        curve = None
+        if latency and any(m.drafter is not None for m in method_list):
+            curve = verify_curve()
         for set_name, ids in encoded.items():
             reqs = _requests(ids, b)
             width = api.round_up(max(len(p) for p in ids), WIDTH_BUCKET)

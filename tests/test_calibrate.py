@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -114,6 +116,31 @@ def test_loop_cost_table_scales_the_largest_cycle_by_the_verify_curve(monkeypatc
     assert table.buckets == (0, 2, 8) and table.draft_s == (0.0, 0.01, 0.01)
     assert table.verify_s == pytest.approx((0.03, 0.05, 0.09))
     assert table.key == {"what": "test"}
+
+
+def test_loop_cost_table_prices_a_given_verify_curve(monkeypatch):
+    """A verify curve handed in (a sweep's, one for all its tables) is used, not measured
+    again, and its points are reported; one at another context or without a bucket is an
+    error."""
+    def never(*a, **k):
+        raise AssertionError("the verify curve was measured again")
+
+    monkeypatch.setattr(calibrate, "measure_draft_cost", lambda *a, **k: 0.01)
+    monkeypatch.setattr(calibrate, "measure_verify_costs", never)
+    monkeypatch.setattr(calibrate, "measure_loop_costs",
+                        lambda *a, **k: ({8: 0.1}, 0.03))
+    given = calibrate.VerifyCosts((1, 2, 4, 8), (0.01, 0.02, 0.03, 0.04), "float32", 24)
+    seen = []
+    table = calibrate.loop_cost_table(TINY, PARAMS, *DRAFTER, (0, 2, 8), batch=1, context=24,
+                                      key={}, verify_curve=lambda: given,
+                                      progress=lambda stage, n, s: seen.append((stage, n, s)))
+    assert seen[1:] == [("verify", 2, 0.02), ("verify", 8, 0.04)]
+    assert table.verify_s == pytest.approx((0.03, 0.05, 0.09))  # as from a measured curve
+    for other in (dataclasses.replace(given, context=32),
+                  dataclasses.replace(given, nodes=(1, 2, 4, 16))):
+        with pytest.raises(ValueError, match=r"does not price this table's buckets \[2, 8\]"):
+            calibrate.loop_cost_table(TINY, PARAMS, *DRAFTER, (0, 2, 8), batch=1, context=24,
+                                      key={}, verify_curve=lambda: other)
 
 
 def test_monotone_pools_the_costs_out_of_order():

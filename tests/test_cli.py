@@ -290,12 +290,22 @@ def test_calibrate_writes_a_cost_table_and_reuses_it(cli_model, tmp_path, capsys
     assert rc == 2 and "error:" in err
 
 
-def test_bench_quick_writes_records_table_and_plot(cli_model, tmp_path, capsys):
+def test_bench_quick_writes_records_table_and_plot(cli_model, tmp_path, capsys, monkeypatch):
     """``specjax bench --quick`` on the tiny model (no DFlash drafter is shipped for it, so
     that method is skipped with a note): plain and n-gram, fixed and cost-aware, on the
-    long-context retrieval set; the greedy cells reproduce plain decoding."""
-    from specjax import report
+    long-context retrieval set; the greedy cells reproduce plain decoding. One verify curve
+    serves the cost table measured for the run and the time split."""
+    from specjax import calibrate, report
 
+    monkeypatch.setenv("SPECJAX_CACHE_DIR", str(tmp_path / "cache"))  # the table measured here
+    curves = []
+    measure = calibrate.measure_verify_costs
+
+    def counted(*args, **kwargs):
+        curves.append(measure(*args, **kwargs))
+        return curves[-1]
+
+    monkeypatch.setattr(calibrate, "measure_verify_costs", counted)
     path, _ = cli_model
     out = tmp_path / "bench"
     rc, text, err = _run(capsys, "bench", "--quick", "--model", str(path), "--max-new-tokens",
@@ -314,6 +324,8 @@ def test_bench_quick_writes_records_table_and_plot(cli_model, tmp_path, capsys):
         else:
             assert r["tau"] >= 1.0 and set(r["split_ms"]) == {"draft", "verify", "other"}
     assert text.startswith(f"specjax bench --quick --model {path}")
+    assert len(list((tmp_path / "cache" / "costs").glob("*.json"))) == 1
+    assert len(curves) == 1 and {2, 4, 5} <= set(curves[0].nodes)  # the table's buckets
     rc, _, err = _run(capsys, "bench", "--quick", "--model", str(path), "--sets", "poetry")
     assert rc == 2 and "no prompt set 'poetry'" in err
     assert "| set | T | batch | method |" in text and "| mean speedup |" in text
