@@ -25,6 +25,9 @@ sys.path[:] = [p for p in sys.path if Path(p or os.curdir).resolve() != _ROOT]
 # first imported (so here, before any test module imports it; notebook kernels inherit it).
 # Benchmarks and users get the optimized default.
 os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
+# The CLI runs in-process in the tests: its on-disk compile cache (which would outlive the test
+# and serve every later test in the process) stays off but where a test turns it on.
+os.environ.setdefault("SPECJAX_COMPILE_CACHE", "0")
 
 # Tiny HF models: big enough to exercise GQA, two layers and RoPE, small enough to build in ms.
 TINY_HF = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import re
 import shutil
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -214,6 +217,27 @@ def test_generate_is_cost_aware_by_default_and_measures_its_table_once(cli_model
     assert rc == 0 and again == plain and "break-even tau" not in err  # read back
     rc, fixed, err = _run(capsys, *spec, "--fixed-budget")
     assert rc == 0 and fixed == plain and "cost-aware" not in err
+
+
+def test_commands_keep_their_executables_in_a_compile_cache(cli_model, tmp_path, monkeypatch):
+    """Two processes run the same generation: the first writes its executables under the
+    compile cache, the second loads every one of them (it writes nothing new) and prints the
+    same text."""
+    monkeypatch.setenv("SPECJAX_CACHE_DIR", str(tmp_path))
+    env = dict(os.environ, SPECJAX_COMPILE_CACHE="1",
+               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+    argv = [sys.executable, "-m", "specjax.cli", "generate", "--model", str(cli_model[0]),
+            "--prompt", PROMPT, "--max-new-tokens", "6", "--method", "ngram", "--fixed-budget"]
+    where = cli.compile_cache_dir()
+    assert where.parent == tmp_path / "xla"
+    outs, entries = [], []
+    for _ in range(2):
+        run = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, run.stderr
+        outs.append(run.stdout)
+        entries.append(sorted(p.name for p in where.glob("*-cache")))
+    assert entries[0] and entries[1] == entries[0]
+    assert outs[0] and outs[1] == outs[0]
 
 
 def test_unknown_model_name_is_an_error(capsys):
