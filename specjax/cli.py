@@ -977,6 +977,7 @@ def _bench(args) -> int:
         records = sweep.run(model, sets, methods, temperatures=temps, batches=batches,
                             contexts=contexts, max_new_tokens=args.max_new_tokens, repeats=args.repeats,
                             model_name=args.model, reference=reference, progress=progress,
+                            stage=bar.set_postfix_str,
                             on_record=lambda r: report.append_jsonl(r, sink))
     table = report.markdown(records)
     (out / "table.md").write_text(table + "\n\n" + report.summary(records) + "\n")

@@ -184,6 +184,7 @@ def run(model, prompt_sets: Mapping[str, Sequence[str]], method_list: Sequence[M
         contexts: Sequence[int | None] = (None,), max_new_tokens: int = 128, repeats: int = 2,
         seed: int = 0, model_name: str = "", latency: bool = True, reference=None,
         progress: Callable[[str], None] | None = None,
+        stage: Callable[[str], None] | None = None,
         on_record: Callable[[dict], None] | None = None) -> list[dict]:
     """Runs the sweep (module docstring) and returns its records, one per cell.
 
@@ -205,6 +206,9 @@ def run(model, prompt_sets: Mapping[str, Sequence[str]], method_list: Sequence[M
         precision, whose plain decoding every cell times beside its own runs (module
         docstring).
       progress: optional callable, given a short description after each cell.
+      stage: optional callable, given a short description of each measurement that is not a
+        cell as it goes (a cost table's steps, the verify curve): a first sweep spends minutes
+        on them before its first cell.
       on_record: optional callable, given each record as its cell ends (to keep the records
         of a sweep that stops early).
     """
@@ -222,6 +226,7 @@ def run(model, prompt_sets: Mapping[str, Sequence[str]], method_list: Sequence[M
 
     widest = max([m.drafter.n_nodes for m in method_list if m.drafter is not None] + [2])
     report = progress or (lambda s: None)
+    announce = stage or (lambda s: None)
     stops = tuple(tok.eos_ids)
     records = []
     nodes = sorted({1, 2, widest} | {n for n in (4, 8, 16, 32, 64) if n < widest})
@@ -241,6 +246,7 @@ def run(model, prompt_sets: Mapping[str, Sequence[str]], method_list: Sequence[M
 
         def verify_curve(b=b, context=context):
             if not curves:
+                announce(f"verify curve at batch {b}, context {context}")
                 curves.append(calibrate.measure_verify_costs(cfg, params, points,
                                                              context=context, batch=b))
             return curves[0]
@@ -253,7 +259,9 @@ def run(model, prompt_sets: Mapping[str, Sequence[str]], method_list: Sequence[M
                 table, _ = calibrate.drafter_cost_table(
                     cfg, params, m.drafter, m.dparams, batch=b, context=context,
                     key=dict(model=model_name or repr(cfg), drafter=repr(m.drafter)),
-                    verify_curve=verify_curve)
+                    verify_curve=verify_curve,
+                    progress=lambda what, n, sec, m=m: announce(
+                        f"{m.name} cost table: measured {what} {n}, {1e3 * sec:.1f} ms"))
                 budgets[m.name] = table.budget()
         curve = None
         if latency and any(m.drafter is not None for m in method_list):

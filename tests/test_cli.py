@@ -318,18 +318,23 @@ def test_bench_quick_writes_records_table_and_plot(cli_model, tmp_path, capsys, 
     """``specjax bench --quick`` on the tiny model (no DFlash drafter is shipped for it, so
     that method is skipped with a note): plain and n-gram, fixed and cost-aware, on the
     long-context retrieval set; the greedy cells reproduce plain decoding. One verify curve
-    serves the cost table measured for the run and the time split."""
-    from specjax import calibrate, report
+    serves the cost table measured for the run and the time split, and the progress bar says
+    what is being measured before the first cell."""
+    from specjax import calibrate, report, sweep
 
     monkeypatch.setenv("SPECJAX_CACHE_DIR", str(tmp_path / "cache"))  # the table measured here
-    curves = []
-    measure = calibrate.measure_verify_costs
+    curves, stages = [], []
+    measure, run = calibrate.measure_verify_costs, sweep.run
 
     def counted(*args, **kwargs):
         curves.append(measure(*args, **kwargs))
         return curves[-1]
 
+    def shown(*args, stage, **kwargs):
+        return run(*args, stage=lambda s: (stages.append(s), stage(s)), **kwargs)
+
     monkeypatch.setattr(calibrate, "measure_verify_costs", counted)
+    monkeypatch.setattr(sweep, "run", shown)
     path, _ = cli_model
     out = tmp_path / "bench"
     rc, text, err = _run(capsys, "bench", "--quick", "--model", str(path), "--max-new-tokens",
@@ -350,6 +355,12 @@ def test_bench_quick_writes_records_table_and_plot(cli_model, tmp_path, capsys, 
     assert text.startswith(f"specjax bench --quick --model {path}")
     assert len(list((tmp_path / "cache" / "costs").glob("*.json"))) == 1
     assert len(curves) == 1 and {2, 4, 5} <= set(curves[0].nodes)  # the table's buckets
+    # The drafting timed, then the curve the table shares (measured on its first need).
+    table = [re.sub(r"[\d.]+ ms$", "T ms", s) for s in stages[:1] + stages[2:]]
+    assert stages[1].startswith("verify curve at batch 1, context ") and table == [
+        f"ngram k=4 cost-aware cost table: measured {what} {n}, T ms"
+        for what, n in [("draft", 5), ("verify", 2), ("verify", 4), ("verify", 5),
+                        ("cycle", 5), ("step", 0)]]
     rc, _, err = _run(capsys, "bench", "--quick", "--model", str(path), "--sets", "poetry")
     assert rc == 2 and "no prompt set 'poetry'" in err
     assert "| set | T | batch | method |" in text and "| mean speedup |" in text
