@@ -40,13 +40,26 @@ def _use_compile_cache():
     """Points JAX's persistent compilation cache at :func:`compile_cache_dir`, so a command
     that compiled a configuration once (a generation, a benchmark's methods, a calibration)
     loads it on later runs instead of compiling again. Left alone where JAX already has a cache
-    directory (``JAX_COMPILATION_CACHE_DIR``) or ``SPECJAX_COMPILE_CACHE=0``."""
+    directory (``JAX_COMPILATION_CACHE_DIR``) or ``SPECJAX_COMPILE_CACHE=0``, and off where the
+    directory cannot be made or written (JAX would warn at every compile).
+
+    Returns:
+      the cache directory in use, or None.
+    """
     import jax
 
     if os.environ.get("SPECJAX_COMPILE_CACHE", "1") == "0" or jax.config.jax_compilation_cache_dir:
-        return
-    jax.config.update("jax_compilation_cache_dir", str(compile_cache_dir()))
+        return None
+    where = compile_cache_dir()
+    try:
+        where.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        return None
+    if not os.access(where, os.W_OK | os.X_OK):
+        return None
+    jax.config.update("jax_compilation_cache_dir", str(where))
     jax.config.update("jax_compilation_cache_max_size", COMPILE_CACHE_BYTES)
+    return where
 
 
 def _add_drafter_options(group):

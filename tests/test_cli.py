@@ -240,6 +240,18 @@ def test_commands_keep_their_executables_in_a_compile_cache(cli_model, tmp_path,
     assert outs[0] and outs[1] == outs[0]
 
 
+def test_the_compile_cache_stays_off_where_its_directory_cannot_be_made(tmp_path,
+                                                                       monkeypatch):
+    import jax
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("SPECJAX_CACHE_DIR", str(blocker))
+    monkeypatch.setenv("SPECJAX_COMPILE_CACHE", "1")
+    assert cli._use_compile_cache() is None
+    assert not jax.config.jax_compilation_cache_dir
+
+
 def test_unknown_model_name_is_an_error(capsys):
     rc, out, err = _run(capsys, "generate", "--model", "no-such-model", "--prompt", "hi")
     assert rc != 0 and out == ""
