@@ -362,8 +362,9 @@ def loop_cost_table(cfg: ModelConfig, params: dict, drafter, dparams, buckets: S
         ``"verify"`` for each node count, then :func:`measure_loop_costs`'s).
       tokens, trials: the loop timing's (:func:`measure_loop_costs`).
       verify_curve: optional callable returning a verify curve (:class:`VerifyCosts`)
-        measured at this ``batch`` and ``context`` whose points include every drafted bucket (a sweep
-        measures one for all its tables and its time split); default: one measured here.
+        measured at this ``batch`` and ``context`` whose points include every drafted bucket
+        (a sweep measures one for all its tables and its time split); default: one measured
+        here.
     Raises:
       ValueError: ``verify_curve`` gave a curve at another context or without a bucket.
     """
@@ -487,9 +488,7 @@ def drafter_cost_table(cfg: ModelConfig, params: dict, drafter, dparams, *, batc
 
     buckets = budget_buckets(drafter.n_nodes)
     full_key = drafter_table_key(cfg, drafter, batch=batch, context=context, key=key)
-    if path is None:
-        digest = hashlib.sha256(json.dumps(full_key, sort_keys=True).encode()).hexdigest()[:16]
-        path = gguf.cache_dir() / "costs" / f"{digest}.json"
+    path = path or _cache_file(full_key)
     if path.exists() and reuse:
         try:
             table = harness.CostTable.from_json(path.read_text())
@@ -505,8 +504,51 @@ def drafter_cost_table(cfg: ModelConfig, params: dict, drafter, dparams, *, batc
     table = loop_cost_table(cfg, params, drafter, dparams, buckets, batch=batch,
                             context=context, key=full_key, progress=progress,
                             verify_curve=verify_curve)
+    _write(path, table.to_json())
+    return table, True
+
+
+def _cache_file(full_key: dict) -> Path:
+    """The JSON file of a measurement keyed ``full_key``: ``costs/`` under specjax's cache
+    root (:func:`specjax.io.gguf.cache_dir`), named by the key's hash."""
+    digest = hashlib.sha256(json.dumps(full_key, sort_keys=True).encode()).hexdigest()[:16]
+    return gguf.cache_dir() / "costs" / f"{digest}.json"
+
+
+def _write(path: Path, text: str):
+    """Writes ``text`` to ``path`` whole or not at all (a temporary file renamed over it)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(table.to_json())
+    tmp.write_text(text)
     tmp.replace(path)
-    return table, True
+
+
+def cached_verify_costs(cfg: ModelConfig, params: dict, nodes: Sequence[int], *, batch: int,
+                        context: int, key: dict, progress=None) -> tuple[VerifyCosts, bool]:
+    """:func:`measure_verify_costs`'s curve at ``nodes``, read from the cost cache where one
+    was measured for the same key, else measured and kept there (beside the cost tables,
+    :func:`drafter_cost_table`).
+
+    Args:
+      key: what the curve is for beyond the machine (the model's name); the device kind,
+        dtype, batch, context, nodes and method version are added.
+      progress: passed to :func:`measure_verify_costs` (never called for a curve read back).
+    Returns:
+      ``(curve, measured)``: the :class:`VerifyCosts` and whether it was measured now.
+    """
+    nodes = sorted(set(int(n) for n in nodes))
+    full_key = dict(key, measurement="verify curve", device=jax.devices()[0].device_kind,
+                    dtype=cfg.dtype, batch=batch, context=context, nodes=nodes,
+                    method_version=METHOD_VERSION)
+    path = _cache_file(full_key)
+    try:
+        raw = json.loads(path.read_text())
+        if raw["key"] == full_key:
+            return VerifyCosts(tuple(raw["nodes"]), tuple(raw["seconds"]), raw["dtype"],
+                               raw["context"]), False
+    except (OSError, json.JSONDecodeError, KeyError, TypeError):
+        pass  # absent, or not a curve: measured again
+    curve = measure_verify_costs(cfg, params, nodes, context=context, batch=batch,
+                                 progress=progress)
+    _write(path, json.dumps(dict(dataclasses.asdict(curve), key=full_key), indent=1))
+    return curve, True

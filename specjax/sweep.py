@@ -39,8 +39,9 @@ drafter's ``propose`` alone (:func:`specjax.calibrate.measure_draft_cost`), and 
 at the cell's mean verified width (:func:`specjax.calibrate.measure_verify_costs`); what is
 left of the cycle (commit, the drafter's commit, bookkeeping) is ``other``. One verify curve
 per batch size and context serves the time split and every cost table the sweep measures
-(its points cover the tables' buckets). Peak memory is XLA's figure for the compiled
-generation call.
+(its points cover the tables' buckets); it is kept beside the cost tables and read back by
+later sweeps of the same configuration (:func:`specjax.calibrate.cached_verify_costs`). Peak
+memory is XLA's figure for the compiled generation call.
 
 Record fields (the latency ones None with ``run(latency=False)``): ``method``,
 ``cost_aware``, ``set``, ``temperature``, ``batch``, ``context`` (None: the prompts as they
@@ -247,8 +248,9 @@ def run(model, prompt_sets: Mapping[str, Sequence[str]], method_list: Sequence[M
         def verify_curve(b=b, context=context):
             if not curves:
                 announce(f"verify curve at batch {b}, context {context}")
-                curves.append(calibrate.measure_verify_costs(cfg, params, points,
-                                                             context=context, batch=b))
+                curves.append(calibrate.cached_verify_costs(
+                    cfg, params, points, batch=b, context=context,
+                    key=dict(model=model_name or repr(cfg)))[0])
             return curves[0]
 
         # Each gated method's draft gate per temperature (what a drafter's confidences predict

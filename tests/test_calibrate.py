@@ -143,6 +143,34 @@ def test_loop_cost_table_prices_a_given_verify_curve(monkeypatch):
                                       key={}, verify_curve=lambda: other)
 
 
+def test_a_verify_curve_is_kept_and_read_back_for_the_same_key(tmp_path, monkeypatch):
+    """Measured once per key (batch, context, nodes, model...) and read back after; a file
+    that holds no curve is measured again and replaced."""
+    monkeypatch.setenv("SPECJAX_CACHE_DIR", str(tmp_path))
+    measured = []
+
+    def curve(cfg, params, nodes, *, context, batch, progress):
+        measured.append((tuple(nodes), batch))
+        return calibrate.VerifyCosts(tuple(nodes), tuple(0.01 * n for n in nodes), "float32",
+                                     context)
+
+    monkeypatch.setattr(calibrate, "measure_verify_costs", curve)
+
+    def get(nodes=(1, 4, 2), batch=1, key=None):
+        return calibrate.cached_verify_costs(TINY, PARAMS, nodes, batch=batch, context=24,
+                                             key=key or {"model": "tiny"})
+
+    first, fresh = get()
+    assert fresh and first.nodes == (1, 2, 4) and first.seconds == (0.01, 0.02, 0.04)
+    (path,) = (tmp_path / "costs").glob("*.json")
+    again, fresh = get()
+    assert not fresh and again == first
+    assert get(batch=2)[1] and get(nodes=(1, 2))[1] and get(key={"model": "other"})[1]
+    assert len(measured) == 4
+    path.write_text("{not json")
+    assert get()[1] and get() == (first, False)
+
+
 def test_monotone_pools_the_costs_out_of_order():
     assert calibrate.monotone([1.0, 2.0, 5.0]) == [1.0, 2.0, 5.0]
     assert calibrate.monotone([3.0, 1.0, 2.0]) == [2.0, 2.0, 2.0]

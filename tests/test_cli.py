@@ -365,7 +365,9 @@ def test_bench_quick_writes_records_table_and_plot(cli_model, tmp_path, capsys, 
         else:
             assert r["tau"] >= 1.0 and set(r["split_ms"]) == {"draft", "verify", "other"}
     assert text.startswith(f"specjax bench --quick --model {path}")
-    assert len(list((tmp_path / "cache" / "costs").glob("*.json"))) == 1
+    kept = [json.loads(f.read_text())["key"] for f in (tmp_path / "cache" / "costs").glob("*.json")]
+    assert sorted(k.get("measurement", "cost table") for k in kept) == ["cost table",
+                                                                      "verify curve"]
     assert len(curves) == 1 and {2, 4, 5} <= set(curves[0].nodes)  # the table's buckets
     # The drafting timed, then the curve the table shares (measured on its first need).
     table = [re.sub(r"[\d.]+ ms$", "T ms", s) for s in stages[:1] + stages[2:]]
