@@ -878,8 +878,8 @@ def _add_bench(sub):
                    help="the built-in default for a first look: plain, n-gram and the "
                         "shipped DFlash drafter, fixed and cost-aware, one prompt per set, T=0, "
                         "batch 1, 64 new tokens, one timed run per request (about 14 minutes on "
-                        "a 2-core CPU the first time, compiles and cost tables included, 6-7 "
-                        "once both are cached)")
+                        "a 2-core CPU the first time, compiles and cost tables included, 6 once "
+                        "both are cached)")
     p.add_argument("--model", default="smollm2-135m",
                    help="a known model name, an HF checkpoint directory, or a .gguf file "
                         "(default: %(default)s)")
