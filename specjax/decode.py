@@ -482,14 +482,15 @@ def speculative_generate(
         return catch_up(s, jnp.any(catch.n >= CATCH_UP)) if catching else s
 
     def catch_up(s: SpecState, when: jax.Array) -> SpecState:
-        """Hands the kept plain steps to the drafter (``catch_up``) if ``when``."""
-        def take(s):
-            dstate = drafter.catch_up(drafter_params, s.dstate, Context(s.seq, s.seq_len, sp),
-                                      s.catch.taps, s.catch.n)
-            return dataclasses.replace(s, dstate=dstate,
-                                       catch=CatchUp(s.catch.taps, jnp.zeros_like(s.catch.n)))
+        """Hands the kept plain steps to the drafter (``catch_up``) if ``when``. Only what the
+        drafter reads and writes passes through the conditional, not the target's cache."""
+        def take(dstate, catch):
+            dstate = drafter.catch_up(drafter_params, dstate, Context(s.seq, s.seq_len, sp),
+                                      catch.taps, catch.n)
+            return dstate, CatchUp(catch.taps, jnp.zeros_like(catch.n))
 
-        return jax.lax.cond(when, take, lambda s: s, s)
+        dstate, catch = jax.lax.cond(when, take, lambda d, c: (d, c), s.dstate, s.catch)
+        return dataclasses.replace(s, dstate=dstate, catch=catch)
 
     def plain_run(s: SpecState) -> SpecState:
         """The run of plain steps the gate asks for (none while its ``wait`` is 0)."""
