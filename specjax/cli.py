@@ -728,6 +728,11 @@ def _add_train(sub):
     f.add_argument("--scored", type=int, default=None, metavar="K",
                    help="score block positions 1..K only (the head over the block is most of "
                         "a step; default: all of them)")
+    f.add_argument("--draft-vocab", type=int, default=None, metavar="VD",
+                   help="train the head's softmax over the VD most frequent ids of the "
+                        "trained-on response tokens, the ids the exported drafter then drafts "
+                        "from by default (a head VD wide instead of the target's; default: the "
+                        "whole vocabulary, as the reference trains)")
     _train_args(f, lr=6e-4)
     f.set_defaults(func=_train_dflash, warmup=0.04)
 
@@ -779,7 +784,9 @@ def _train_eagle(args) -> int:
 
 def _train_dflash(args) -> int:
     from specjax.drafters import dflash as dflash_drafter
-    from specjax.train import dflash
+    from specjax.drafters import vocab
+    from specjax.io import official
+    from specjax.train import data, dflash
 
     cfg, model, dev, records, source = _train_inputs(args)
     mask = None if args.mask_token in (None, "learned") else int(args.mask_token)
@@ -792,8 +799,6 @@ def _train_dflash(args) -> int:
             model.cfg, n_layers=given(args.layers, 1), block_size=given(args.block_size, 16),
             mask_token_id=mask, n_taps=given(args.taps, 5))
     else:
-        from specjax.io import official
-
         dcfg, init = official.load_dflash(args.init, model.cfg)
         init.pop("token_order", None)  # the export ranks this run's records afresh
         if args.layers is not None and args.layers > dcfg.layer.n_layers:
@@ -809,20 +814,16 @@ def _train_dflash(args) -> int:
                 raise ValueError(f"--{name} {given} differs from the initial drafter's "
                                  f"{'learned' if have is None else have}; a warm start keeps "
                                  "its shape (it may only add layers)")
+    # The trained-on records' ranking: the export's token_order and any --draft-vocab's ids.
+    order = vocab.frequency_order(data.token_counts(records, model.cfg.vocab_size))
     result, drafter, own = dflash.train(
         model.cfg, model.params, source, cfg, dcfg,
         recipe=dflash.Recipe(n_anchors=args.anchors, gamma=args.gamma, dpace=args.dpace,
-                             scored=args.scored),
+                             scored=args.scored, draft_vocab=args.draft_vocab),
         dev_prompts=dev, eval_tokens=args.eval_tokens, seed=args.seed, init=init,
-        stop_tokens=model.tokenizer.eos_ids if model.tokenizer else (),
+        token_order=order, stop_tokens=model.tokenizer.eos_ids if model.tokenizer else (),
         progress=not args.no_progress)
     if not result.signal:
-        from specjax.drafters import vocab
-        from specjax.io import official
-        from specjax.train import data
-
-        counts = data.token_counts(records, model.cfg.vocab_size)
-        own = dict(own, token_order=vocab.frequency_order(counts))
         out = official.save_dflash(drafter.cfg, own, Path(args.run_dir) / "drafter",
                                    dtype="bfloat16")
         print(f"{out}: the trained drafter in the official layout (bfloat16); use it with "

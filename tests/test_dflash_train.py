@@ -165,6 +165,58 @@ def test_a_loss_that_scores_the_first_positions_only(records):
         dflash_train.block_loss(model, batch, rng, n_anchors=8, scored=4)
 
 
+def test_a_draft_vocabulary_loss_is_the_softmax_over_its_ids(records):
+    """With ``vocab_ids`` the loss is the cross-entropy of the labels under the softmax over
+    those ids' logits only, a label outside them unscored (and a miss); the whole vocabulary
+    as ``vocab_ids`` is the full loss."""
+    from specjax.targets import DecoderTarget
+
+    cfg = DFlashConfig.for_target(TINY, n_layers=1, block_size=4, n_taps=2)
+    model = dflash_train.DFlashModule(cfg, dflash.init_params(cfg, 2, scale=0.3), TINY, PARAMS)
+    source = loop.PackedSource(records, seq_len=SEQ_LEN, batch_size=2, seed=0)
+    batch = {k: jnp.asarray(v) for k, v in source.next().items()}
+    rng = jax.random.key(5)
+    anchors, ok = dflash_train.sample_anchors(rng, batch["loss_mask"].astype(bool),
+                                              batch["segment_ids"], 8)
+    labels = np.asarray(jnp.take_along_axis(batch["tokens"], anchors + 1, axis=1))
+    # Half of the position-1 labels' ids and every other id below 40: some labels unscored.
+    seen = np.unique(labels[np.asarray(ok)])
+    ids = np.union1d(seen[::2], np.arange(0, 40, 2)).astype(np.int32)
+    loss, metrics = dflash_train.block_loss(model, batch, rng, n_anchors=8, scored=1,
+                                            vocab_ids=jnp.asarray(ids))
+    logits = np.asarray(DecoderTarget(TINY).lm_head(
+        PARAMS, dflash_train.block_outputs(model, batch, anchors)[:, :, 0]))[..., ids]
+    shifted = logits - logits.max(-1, keepdims=True)
+    logp = shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
+    known = np.isin(labels, ids) & np.asarray(ok)
+    at = np.searchsorted(ids, labels).clip(0, len(ids) - 1)
+    ce = -np.take_along_axis(logp, at[..., None], -1)[..., 0]
+    hit = (ids[np.argmax(logits, -1)] == labels) & known
+    assert 0 < known.sum() < np.asarray(ok).sum()
+    assert int(metrics["loss_tokens"]) == int(known.sum())
+    np.testing.assert_allclose(float(loss), ce[known].mean(), rtol=1e-5)
+    np.testing.assert_allclose(float(metrics["accuracy"]), hit.sum() / np.asarray(ok).sum())
+    full_loss, full = dflash_train.block_loss(model, batch, rng, n_anchors=8)
+    every_loss, every = dflash_train.block_loss(model, batch, rng, n_anchors=8,
+                                                vocab_ids=jnp.arange(TINY.vocab_size))
+    np.testing.assert_allclose(float(every_loss), float(full_loss), rtol=1e-5)
+    assert jax.tree.map(float, every) == jax.tree.map(float, full)
+
+
+def test_a_draft_vocabulary_needs_a_whole_ranking(records, tmp_path):
+    source = loop.PackedSource(records, seq_len=SEQ_LEN, batch_size=2, seed=0)
+    cfg = loop.TrainConfig(run_dir=str(tmp_path / "run"), steps=1)
+    dcfg = DFlashConfig.for_target(TINY, n_layers=1, block_size=4)
+    recipe = dflash_train.Recipe(draft_vocab=8)
+    with pytest.raises(ValueError, match="pass the training records' token_order"):
+        dflash_train.train(TINY, PARAMS, source, cfg, dcfg, recipe=recipe, progress=False)
+    with pytest.raises(ValueError, match="does not rank each of the 61 ids exactly once"):
+        dflash_train.train(TINY, PARAMS, source, cfg, dcfg, recipe=recipe, progress=False,
+                           token_order=np.zeros(TINY.vocab_size, np.int32))
+    with pytest.raises(ValueError, match="draft_vocab must be >= 1"):
+        dflash_train.Recipe(draft_vocab=0)
+
+
 def _train(records, tmp_path, steps, name, **kw):
     dev, train_records = evaluate.hold_out(records, 4)
     source = loop.PackedSource(train_records, seq_len=SEQ_LEN, batch_size=4, seed=0)
@@ -234,6 +286,16 @@ def test_cli_trains_dflash_and_exports_it(records_dir, tmp_path, monkeypatch, ca
     assert cli.main(common + ["--run-dir", str(warm), "--lr", "1e-9", "--block-size", "4"]) == 0
     _, again = official.load_dflash(warm / "drafter", TINY)
     jax.tree.map(np.testing.assert_array_equal, again, own)
+    # --draft-vocab trains over the ranking's first ids, evaluates drafting from them, and
+    # makes them the export's default draft vocabulary.
+    small = tmp_path / "small"
+    assert cli.main(common + ["--run-dir", str(small), "--draft-vocab", "40", "--eval-every",
+                              "1", "--eval-tokens", "8"]) == 0
+    evals = [r for r in loop.MetricsLog(small).records() if "eval_tau" in r]
+    assert len(evals) == 2 and all(r["eval_greedy_equal"] for r in evals)
+    cfg, ranked_own = official.load_dflash(small / "drafter", TINY)
+    assert cfg.draft_vocab_size == 40
+    np.testing.assert_array_equal(np.asarray(ranked_own["token_order"]), ranking)
     capsys.readouterr()
     assert cli.main(common + ["--run-dir", str(tmp_path / "bad"), "--block-size", "8"]) == 2
     assert "--block-size 8 differs from the initial drafter's 4" in capsys.readouterr().err

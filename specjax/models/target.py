@@ -310,7 +310,7 @@ def encode(
 
 
 def score_tokens(params: dict, cfg: ModelConfig, hidden: jax.Array, targets: jax.Array,
-                 chunk: int = 256) -> tuple[jax.Array, jax.Array]:
+                 chunk: int = 256, rows: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """Scores ``targets`` under the LM head, ``chunk`` positions at a time.
 
     Only [B, chunk, V] logits exist at once (a 2k-token row of a 49k vocabulary would
@@ -318,8 +318,11 @@ def score_tokens(params: dict, cfg: ModelConfig, hidden: jax.Array, targets: jax
 
     Args:
       hidden: [B, T, D] final normed states (:func:`encode`).
-      targets: [B, T] int32 token ids to score (usually the next tokens).
+      targets: [B, T] int32 token ids to score (usually the next tokens); with ``rows``,
+        indices into them.
       chunk: positions per step; T is padded up to a multiple of it.
+      rows: [V', D] head rows of a reduced vocabulary (:func:`head_rows`): the distribution
+        is the softmax over those V' logits only (default: the whole head).
     Returns:
       log_probs: [B, T] float32, log p(targets).
       top1: [B, T] bool, whether each target's logit is the largest (any of tied maxima).
@@ -328,10 +331,12 @@ def score_tokens(params: dict, cfg: ModelConfig, hidden: jax.Array, targets: jax
     pad = -t % chunk
     h = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0))).reshape(b, -1, chunk, d).transpose(1, 0, 2, 3)
     y = jnp.pad(targets, ((0, 0), (0, pad))).reshape(b, -1, chunk).transpose(1, 0, 2)
+    head = None if rows is None else rows.T  # [D, V']: several rows multiply [in, out] faster
 
     def one(args):
         hc, yc = args
-        logits = lm_head(params, cfg, hc)  # [B, chunk, V]
+        logits = (lm_head(params, cfg, hc) if rows is None  # [B, chunk, V or V']
+                  else layers.matmul(hc, head, "...d,dv->...v"))
         picked = jnp.take_along_axis(logits, yc[..., None], axis=-1)[..., 0]  # [B, chunk]
         logp = picked - jax.nn.logsumexp(logits, axis=-1)
         return logp, picked >= jnp.max(logits, axis=-1)

@@ -30,6 +30,9 @@ one pass of the drafter:
   may score only the first K block positions (``scored``): the head over the block is most of
   a step's cost, and where verification rarely gets past the first few drafts (a small target
   on a CPU) those are the positions worth the steps; the block keeps its size and attention.
+  With a draft vocabulary (``vocab_ids``, the ids the drafter will draft from) the softmax
+  runs over those ids only, as drafting does, and the head costs Vd / V of the full one's; a
+  label outside them is not scored.
 """
 
 from __future__ import annotations
@@ -39,8 +42,11 @@ from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+
 from specjax.config import ModelConfig
 from specjax.drafters import dflash
+from specjax.drafters import vocab as vocab_lib
 from specjax.drafters.dflash import DFlashConfig, DFlashDrafter
 from specjax.models import attention as attn
 from specjax.models import layers, target
@@ -120,7 +126,8 @@ def dpace_weights(ce: jax.Array, valid: jax.Array, alpha: float = 0.5) -> jax.Ar
     Args:
       ce: [..., K] cross-entropies of the scored block positions 1..K (K = Bk - 1 unless the
         loss scores fewer).
-      valid: [..., K] bool, supervised positions (a prefix of each block).
+      valid: [..., K] bool, scored positions: the block's supervised prefix, less labels
+        outside a draft vocabulary (a chain stops there, so the positions after one weigh 0).
     """
     q = (1.0 - alpha) * jnp.exp(-jax.lax.stop_gradient(ce)) + alpha
     survive = jnp.cumprod(jnp.where(valid, q, 0.0), axis=-1)
@@ -166,7 +173,8 @@ def block_outputs(model: DFlashModule, batch: dict, anchors: jax.Array) -> jax.A
 
 
 def block_loss(model: DFlashModule, batch: dict, rng: jax.Array, *, n_anchors: int = 64,
-               gamma: float | None = None, dpace: bool = False, scored: int | None = None):
+               gamma: float | None = None, dpace: bool = False, scored: int | None = None,
+               vocab_ids: jax.Array | None = None):
     """The DFlash training loss of a packed batch (module docstring).
 
     Args:
@@ -178,6 +186,9 @@ def block_loss(model: DFlashModule, batch: dict, rng: jax.Array, *, n_anchors: i
       gamma: the position decay (default :func:`specjax.drafters.dflash.default_gamma`).
       dpace: weigh positions by :func:`dpace_weights` instead.
       scored: K, score block positions 1..K only (default: all Bk - 1).
+      vocab_ids: [Vd] int32 ascending target ids, a draft vocabulary: the head's softmax runs
+        over those ids only, and a label outside them is not scored and counts as a miss
+        (default: the whole head).
     Returns:
       ``(loss, {"accuracy": top-1 agreement at block position 1, "accept_len": the mean
       number of leading scored block positions whose top-1 is the label (a chain's τ - 1,
@@ -204,21 +215,27 @@ def block_loss(model: DFlashModule, batch: dict, rng: jax.Array, *, n_anchors: i
     anchor_seg = jnp.take_along_axis(seg, anchors, axis=1)[:, :, None]
     sup = inside & take(mask) & (take(seg) == anchor_seg) & ok[:, :, None]
     valid = jnp.cumprod(sup.astype(jnp.int32), axis=-1).astype(bool)
-    labels = take(tokens)
+    labels, rows, known = take(tokens), None, True
+    if vocab_ids is not None:
+        rows = target.head_rows(tp, tcfg, vocab_ids)  # [Vd, D]
+        at = jnp.minimum(jnp.searchsorted(vocab_ids, labels), vocab_ids.shape[0] - 1)
+        known = vocab_ids[at] == labels  # [B, A, K]
+        labels = at
     logp, top1 = target.score_tokens(tp, tcfg, out.reshape(b, -1, cfg.d_model),
-                                     labels.reshape(b, -1))
+                                     labels.reshape(b, -1), rows=rows)
     ce, top1 = -logp.reshape(b, a, k), top1.reshape(b, a, k)
+    scorable = valid & known
     if dpace:
-        w = dpace_weights(ce, valid)
+        w = dpace_weights(ce, scorable)
     else:
         decay = position_weights(bk, gamma or dflash.default_gamma(bk))[:k]
-        w = jnp.where(valid, decay, 0.0)
+        w = jnp.where(scorable, decay, 0.0)
     loss = jnp.sum(w * ce) / jnp.maximum(jnp.sum(w), 1e-6)
     n_blocks = jnp.maximum(jnp.sum(valid[..., 0]), 1)
-    hit = top1 & valid
+    hit = top1 & scorable
     accept_len = jnp.sum(jnp.cumprod(hit.astype(jnp.int32), axis=-1)) / n_blocks
     return loss, {"accuracy": jnp.sum(hit[..., 0]) / n_blocks, "accept_len": accept_len,
-                  "loss_tokens": jnp.sum(valid)}
+                  "loss_tokens": jnp.sum(scorable)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -230,12 +247,16 @@ class Recipe:
       gamma: the position decay (None: :func:`specjax.drafters.dflash.default_gamma`).
       dpace: D-PACE weights instead of the decay.
       scored: K, the loss scores block positions 1..K only (None: all of them).
+      draft_vocab: Vd, train the head's softmax over the Vd first ids of the run's
+        ``token_order`` (the draft vocabulary the drafter then drafts from by default;
+        None: the whole vocabulary).
     """
 
     n_anchors: int = 64
     gamma: float | None = None
     dpace: bool = False
     scored: int | None = None
+    draft_vocab: int | None = None
 
     def __post_init__(self):
         if self.n_anchors < 1:
@@ -244,13 +265,15 @@ class Recipe:
             raise ValueError(f"scored must be >= 1, got {self.scored}")
         if self.gamma is not None and not self.gamma > 0:
             raise ValueError(f"gamma must be > 0, got {self.gamma}")
+        if self.draft_vocab is not None and self.draft_vocab < 1:
+            raise ValueError(f"draft_vocab must be >= 1, got {self.draft_vocab}")
 
 
 def train(target_cfg: ModelConfig, target_params: dict, source: loop.DataSource,
           train_cfg: loop.TrainConfig, cfg: DFlashConfig, *, recipe: Recipe = Recipe(),
           policy=dflash.BlockChain(), dev_prompts: Sequence[Sequence[int]] = (),
           eval_tokens: int = 64, stop_tokens: Sequence[int] = (), seed: int = 0,
-          init: dict | None = None,
+          init: dict | None = None, token_order: np.ndarray | None = None,
           progress: bool = True) -> tuple[loop.TrainResult, DFlashDrafter, dict]:
     """Trains a DFlash drafter of shape ``cfg`` for a target on distilled records.
 
@@ -268,18 +291,35 @@ def train(target_cfg: ModelConfig, target_params: dict, source: loop.DataSource,
       init: own params of shape ``cfg`` to start from instead of fresh weights (a warm start,
         e.g. :func:`specjax.io.official.load_dflash` of a shipped drafter, float32); the optimizer
         starts afresh. A run directory with checkpoints resumes from them instead.
+      token_order: [V] int32 the target's ids ranked by frequency in the training records
+        (:func:`specjax.drafters.vocab.frequency_order`): the drafter carries it, and with
+        ``recipe.draft_vocab`` = Vd the loss, the evaluations and the returned drafter use
+        its Vd first ids (``cfg.draft_vocab_size`` becomes Vd).
       progress: show a progress bar.
     Returns:
-      ``(result, drafter, own)``: how the run ended, the drafter, and its own params.
+      ``(result, drafter, own)``: how the run ended, the drafter, and its own params (with
+      ``token_order`` when given).
     Raises:
       ValueError: ``init`` params of another shape than ``cfg``'s; ``recipe.scored`` beyond the
-        block's Bk - 1 positions.
+        block's Bk - 1 positions; a ``recipe.draft_vocab`` without a ``token_order`` or beyond
+        the vocabulary; a ``token_order`` that does not rank every id once.
     """
     if recipe.scored is not None and recipe.scored > cfg.block_size - 1:
         raise ValueError(f"the loss cannot score {recipe.scored} block positions: a block of "
                          f"{cfg.block_size} drafts {cfg.block_size - 1}")
-    drafter = DFlashDrafter(cfg, DecoderTarget(target_cfg), policy)
-    drafter.check_target(DecoderTarget(target_cfg))
+    tgt = DecoderTarget(target_cfg)
+    ids, ranked = None, {}
+    if token_order is not None:
+        vocab_lib.check_order(np.asarray(token_order), cfg.vocab_size)
+        ranked = {"token_order": jnp.asarray(token_order, jnp.int32)}
+    if recipe.draft_vocab is not None:
+        if token_order is None:
+            raise ValueError("a draft vocabulary is the first ids of a ranking: pass the "
+                             "training records' token_order")
+        ids = jnp.asarray(vocab_lib.top_ids(np.asarray(token_order), recipe.draft_vocab))
+        cfg = dataclasses.replace(cfg, draft_vocab_size=recipe.draft_vocab)
+    drafter = DFlashDrafter(cfg, tgt, policy, vocab=recipe.draft_vocab)
+    drafter.check_target(tgt)
     own = dflash.init_params(cfg, seed)
     if init is not None:
         if jax.tree.map(jnp.shape, init) != jax.tree.map(jnp.shape, own):
@@ -290,13 +330,14 @@ def train(target_cfg: ModelConfig, target_params: dict, source: loop.DataSource,
 
     def loss_fn(model, batch, rng):
         return block_loss(model, batch, rng, n_anchors=recipe.n_anchors, gamma=recipe.gamma,
-                          dpace=recipe.dpace, scored=recipe.scored)
+                          dpace=recipe.dpace, scored=recipe.scored, vocab_ids=ids)
 
     eval_fn = None
     if train_cfg.eval_every and dev_prompts:
         eval_fn = evaluate.tau_hook(
             target_cfg, target_params, dev_prompts, drafter,
-            lambda m: dflash.drafter_params(m.own_params(), target_params),
+            lambda m: dflash.drafter_params(dict(m.own_params(), **ranked), target_params,
+                                            target=tgt, vocab=recipe.draft_vocab),
             max_new_tokens=eval_tokens, stop_tokens=stop_tokens)
     result = loop.train(model, loss_fn, source, train_cfg, eval_fn=eval_fn, progress=progress)
-    return result, drafter, model.own_params()
+    return result, drafter, dict(model.own_params(), **ranked)
