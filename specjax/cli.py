@@ -93,10 +93,10 @@ def _add_drafter_options(group):
                        help="DFlash: the block drafted per pass, root included (default: the "
                             "drafter's trained block size)")
     group.add_argument("--draft-vocab", type=_draft_vocab, default=None, metavar="VD|full",
-                       help="DFlash: draft from the VD most frequent ids of the drafter's "
-                            "token_order only, a head VD wide instead of the target's "
-                            "vocabulary, or from all ids (full) (default: the drafter's "
-                            "draft_vocab_size from its config.json, else full)")
+                       help="DFlash and EAGLE-1: draft from the VD most frequent ids of the "
+                            "drafter's token_order only, a head VD wide instead of the "
+                            "target's vocabulary, or from all ids (full) (default: a DFlash "
+                            "drafter's draft_vocab_size from its config.json, else full)")
     group.add_argument("--draft-sample", action="store_true",
                        help="DFlash chain at temperature > 0: draw each position from the "
                             "drafter's processed marginal and verify with it as q, instead of "
@@ -150,16 +150,19 @@ def _add_generate(sub):
 
 
 def _eagle_weights(args, cfg, params):
-    """(EAGLE config, drafter params) from --drafter or the shipped drafter of --method."""
+    """(EAGLE config, drafter params, draft vocabulary) from --drafter or the shipped drafter
+    of --method, and --draft-vocab (EAGLE-1 only)."""
     from specjax.drafters import eagle
     from specjax.io import official
     from specjax.io.models import shipped_drafter
+    from specjax.targets import DecoderTarget
 
     path = Path(args.drafter) if args.drafter else shipped_drafter(args.model, args.method)
     dcfg, own = official.load_eagle(path, cfg, dtype=cfg.dtype)
     if dcfg.version != int(args.method[-1]):
         raise ValueError(f"{path} holds an EAGLE-{dcfg.version} drafter, not {args.method}")
-    return dcfg, eagle.drafter_params(own, params)
+    vocab = eagle.resolve_vocab(dcfg, args.draft_vocab)
+    return dcfg, eagle.drafter_params(own, params, target=DecoderTarget(cfg), vocab=vocab), vocab
 
 
 def _draft_vocab(text: str) -> int | str:
@@ -195,12 +198,12 @@ def _eagle_drafter(args, cfg, params):
     from specjax.targets import DecoderTarget
     from specjax.tree import StaticTree
 
-    dcfg, dp = _eagle_weights(args, cfg, params)
+    dcfg, dp, vocab = _eagle_weights(args, cfg, params)
     policy = {"dynamic": lambda: eagle.DynamicTree(args.tree_nodes, args.tree_depth,
                                                    args.tree_top_k),
               "chain": lambda: StaticTree.chain(args.draft_len + 1),
               "sampled-chain": lambda: eagle.SampledChain(args.draft_len)}[args.tree]()
-    return eagle.EagleDrafter(dcfg, DecoderTarget(cfg), policy), dp
+    return eagle.EagleDrafter(dcfg, DecoderTarget(cfg), policy, vocab), dp
 
 
 def _dflash_drafter(args, cfg, params):
@@ -514,18 +517,19 @@ def _add_data(sub):
     st.add_argument("--batches", type=int, default=3, help="timed batches (default: %(default)s)")
     st.set_defaults(func=_data_stats)
     r = data_sub.add_parser(
-        "rank", help="give a DFlash drafter a draft vocabulary ranked on distilled data",
+        "rank", help="give a DFlash or EAGLE-1 drafter a draft vocabulary ranked on "
+                     "distilled data",
         description="Rank the target's ids by how often they occur as response tokens in a "
                     "distilled data directory and write the ranking (token_order) into a DFlash "
-                    "drafter directory, whose other tensors stay as they are: it can then draft "
-                    "from its --draft-vocab most frequent ids. 'train dflash' writes one into "
-                    "every drafter it exports.")
+                    "or EAGLE-1 drafter directory, whose other tensors stay as they are: it can "
+                    "then draft from its --draft-vocab most frequent ids. 'train dflash' writes "
+                    "one into every drafter it exports.")
     r.add_argument("dir", help="a 'data distill' output directory for the drafter's target")
-    r.add_argument("--drafter", required=True, help="a DFlash drafter directory (official "
-                                                    "layout, model.safetensors)")
+    r.add_argument("--drafter", required=True, help="a DFlash or EAGLE-1 drafter directory "
+                                                    "(official layout, model.safetensors)")
     r.add_argument("--draft-vocab", type=int, default=None, metavar="VD",
-                   help="also make VD the drafter's default draft vocabulary (config.json's "
-                        "draft_vocab_size)")
+                   help="DFlash: also make VD the drafter's default draft vocabulary "
+                        "(config.json's draft_vocab_size)")
     r.set_defaults(func=_data_rank)
 
 
@@ -924,8 +928,9 @@ def _add_bench(sub):
                    help="DFlash chain blocks, comma-separated (default: the drafter's trained "
                         "one)")
     p.add_argument("--draft-vocab", type=_draft_vocab, default=None, metavar="VD|full",
-                   help="DFlash and DDTree draft from the drafter's VD most frequent ids, or "
-                        "from all (full) (default: the drafter's draft_vocab_size, else full)")
+                   help="DFlash, DDTree and EAGLE-1 draft from the drafter's VD most "
+                        "frequent ids, or from all (full) (default: a DFlash drafter's "
+                        "draft_vocab_size, else full)")
     p.add_argument("--eagle-drafter", default=None, help="EAGLE drafter directory")
     p.add_argument("--dflash-drafter", default=None, help="DFlash drafter directory")
     p.add_argument("--out", default="bench_out/bench", help="output directory (default: %(default)s)")

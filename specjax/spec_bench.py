@@ -19,8 +19,8 @@ times move with whatever else the machine runs):
    draft length and as dynamic trees of each ``--tree-nodes`` size; with ``--methods dflash,ddtree --dflash
    DIR`` a DFlash drafter runs as block chains of each ``--blocks`` size and as DDTrees of each
    ``--ddtree-nodes`` size (and, with ``--draft-sample`` at a temperature above 0, as chains
-   drawn from its marginals), each once per ``--draft-vocabs`` entry (the whole vocabulary,
-   or the drafter's Vd most frequent ids). For plain decoding and each drafter: τ (tokens per
+   drawn from its marginals), each DFlash and EAGLE-1 configuration once per
+   ``--draft-vocabs`` entry (the whole vocabulary, or the drafter's Vd most frequent ids). For plain decoding and each drafter: τ (tokens per
    verify cycle), decode seconds, speedup over plain decoding at the same precision (the lossless
    comparison), speedup over the fastest plain decoding at any precision (what a user feels),
    efficiency = speedup / τ, acceptance by position, and the drafter's own time per cycle
@@ -200,8 +200,8 @@ def run_spec_benchmark(model, prompts: Sequence[str] | Mapping[str, Sequence[str
     set. Draft time per cycle is measured once per drafter, on the first batch, before the
     timed rounds.
 
-    ``draft_vocabs`` runs every DFlash and DDTree configuration once per draft vocabulary
-    (None: the target's whole vocabulary; Vd: the drafter's Vd most frequent ids).
+    ``draft_vocabs`` runs every DFlash, DDTree and EAGLE-1 configuration once per draft
+    vocabulary (None: the target's whole vocabulary; Vd: the drafter's Vd most frequent ids).
 
     ``cost_aware`` buckets (e.g. ``(0, 4, 8, 16)``) add a cost-aware twin of every DFlash and
     DDTree configuration (:mod:`specjax.harness`), its budget built from this run's verify
@@ -236,16 +236,18 @@ def run_spec_benchmark(model, prompts: Sequence[str] | Mapping[str, Sequence[str
         if drafter_dir is None:
             raise ValueError("--methods eagle3/eagle1 needs --drafter DIR")
         ecfg, own = official.load_eagle(drafter_dir, cfg)
-        dp = eagle.drafter_params(own, params)
+        tgt = DecoderTarget(cfg)
         name = f"eagle{ecfg.version}"
-        for k in draft_lens:
-            configs[f"{name} chain k={k}"] = (
-                cfg, params, eagle.EagleDrafter(ecfg, DecoderTarget(cfg), StaticTree.chain(k + 1)),
-                dp)
-        for n in tree_nodes:
-            tree = eagle.DynamicTree(n, depth=5, top_k=4)
-            configs[f"{name} tree N={n}"] = (
-                cfg, params, eagle.EagleDrafter(ecfg, DecoderTarget(cfg), tree), dp)
+        for vd in draft_vocabs if ecfg.version == 1 else (None,):
+            dp = eagle.drafter_params(own, params, target=tgt, vocab=vd)
+            tag = "" if vd is None else f" V={vd}"
+            for k in draft_lens:
+                configs[f"{name} chain k={k}{tag}"] = (
+                    cfg, params, eagle.EagleDrafter(ecfg, tgt, StaticTree.chain(k + 1), vd), dp)
+            for n in tree_nodes:
+                tree = eagle.DynamicTree(n, depth=5, top_k=4)
+                configs[f"{name} tree N={n}{tag}"] = (
+                    cfg, params, eagle.EagleDrafter(ecfg, tgt, tree, vd), dp)
     if {"dflash", "ddtree"} & set(methods):
         configs |= _dflash_configs(cfg, params, dflash_dir, blocks, ddtree_nodes, methods,
                                    draft_sample and temperature > 0, draft_vocabs)
@@ -403,8 +405,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="DFlash block sizes drafted per pass, root included")
     parser.add_argument("--ddtree-nodes", default="8,16,32", help="DDTree sizes, root included")
     parser.add_argument("--draft-vocabs", default="full",
-                        help="DFlash / DDTree draft vocabularies, comma-separated: full (the "
-                             "target's) or a size Vd (the drafter's Vd most frequent ids)")
+                        help="DFlash / DDTree / EAGLE-1 draft vocabularies, comma-separated: "
+                             "full (the target's) or a size Vd (the drafter's Vd most frequent "
+                             "ids)")
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--batch", type=int, default=1, help="prompts per generate call")
     parser.add_argument("--draft-sample", action="store_true",

@@ -113,6 +113,7 @@ def methods(model, names: Sequence[str], *, model_name: str, cost_aware: str = "
       eagle_dir, dflash_dir: drafter directories (default: the ones shipped for the model).
       draft_vocab: DFlash and DDTree draft from the drafter's ``draft_vocab`` most frequent
         ids; ``"full"`` from all; None from its config's ``draft_vocab_size`` (all if unset).
+        EAGLE-1 drafts from that many ids too; from all for None or ``"full"``.
     Raises:
       ValueError: an unknown name, or a drafter that cannot be loaded or does not fit.
     """
@@ -141,9 +142,12 @@ def methods(model, names: Sequence[str], *, model_name: str, cost_aware: str = "
         if name in ("eagle3", "eagle1"):
             ecfg, own = official.load_eagle(eagle_dir or shipped_drafter(model_name, name), cfg,
                                             dtype=cfg.dtype)
-            dp = eagle.drafter_params(own, params)
-            return [Method(f"{name} tree N={n}", eagle.EagleDrafter(
-                ecfg, tgt, eagle.DynamicTree(n, min(5, n - 1), 4)), dp) for n in sorted(tree_nodes)]
+            vd = eagle.resolve_vocab(ecfg, draft_vocab) if name == "eagle1" else None
+            dp = eagle.drafter_params(own, params, target=tgt, vocab=vd)
+            tag = "" if vd is None else f" V={vd}"
+            return [Method(f"{name} tree N={n}{tag}", eagle.EagleDrafter(
+                ecfg, tgt, eagle.DynamicTree(n, min(5, n - 1), 4), vocab=vd), dp)
+                for n in sorted(tree_nodes)]
         if name in ("dflash", "ddtree"):
             dcfg, own = official.load_dflash(dflash_dir or shipped_drafter(model_name, "dflash"),
                                              cfg, dtype=cfg.dtype)

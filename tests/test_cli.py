@@ -109,7 +109,8 @@ def test_greedy_text_same_for_every_method(cli_model, capsys):
 @pytest.mark.parametrize("tree", ["dynamic", "chain"])
 def test_eagle_drafter_from_a_directory_keeps_the_greedy_text(cli_model, tmp_path, capsys, tree):
     """An EAGLE-1 drafter exported in the official layout drives 'generate --method eagle1'
-    (the tiny model has too few layers for EAGLE-3's taps); the text is plain greedy's."""
+    (the tiny model has too few layers for EAGLE-3's taps), over the whole vocabulary and,
+    once ranked, over a draft vocabulary; the text is plain greedy's."""
     from specjax.drafters import eagle
     from specjax.io import load, official
 
@@ -118,13 +119,20 @@ def test_eagle_drafter_from_a_directory_keeps_the_greedy_text(cli_model, tmp_pat
     official.save_eagle(cfg, eagle.init_params(cfg, 0, scale=0.2), tmp_path / "drafter")
     argv = ["generate", "--model", str(path), "--prompt", PROMPT, "--max-new-tokens", "8"]
     rc, plain, _ = _run(capsys, *argv)
-    rc, out, err = _run(capsys, *argv, "--method", "eagle1", "--drafter",
-                        str(tmp_path / "drafter"), "--tree", tree, "--tree-nodes", "6",
-                        "--tree-depth", "2", "--tree-top-k", "2", "--draft-len", "3",
-                        "--fixed-budget")
+    drafting = [*argv, "--method", "eagle1", "--drafter", str(tmp_path / "drafter"), "--tree",
+                tree, "--tree-nodes", "6", "--tree-depth", "2", "--tree-top-k", "2",
+                "--draft-len", "3", "--fixed-budget"]
+    rc, out, err = _run(capsys, *drafting)
     assert rc == 0, err
     assert re.search(r"\[eagle1: \d+ verify cycles, tau = [\d.]+", err), err
     assert out == plain
+    half = ["--draft-vocab", str(cfg.target_vocab_size // 2)]
+    rc, _, err = _run(capsys, *drafting, *half)
+    assert rc != 0 and "carries no token_order" in err
+    order = np.random.default_rng(0).permutation(cfg.target_vocab_size)
+    official.set_token_order(tmp_path / "drafter", order)
+    rc, out, err = _run(capsys, *drafting, *half)
+    assert rc == 0 and out == plain, err
     rc, _, err = _run(capsys, *argv, "--method", "eagle3", "--drafter", str(tmp_path / "drafter"))
     assert rc != 0 and "EAGLE-1 drafter, not eagle3" in err
 

@@ -14,7 +14,7 @@ import pytest
 from specjax import api, decode, sampling
 from specjax.config import ModelConfig
 from specjax.drafters import eagle
-from specjax.drafters.base import Prefill
+from specjax.drafters.base import Context, Prefill
 from specjax.drafters.eagle import DynamicTree, EagleConfig, EagleDrafter, SampledChain
 from specjax.models import target
 from specjax.targets import DecoderTarget
@@ -48,6 +48,10 @@ def _eagle1(seed=2):
 
 E3, OWN3 = _eagle3()
 E1, OWN1 = _eagle1()
+# A ranking for EAGLE-1's draft vocabulary: a random order, so the random drafter's favourite
+# drafts often fall outside its first ids.
+OWN1_RANKED = dict(OWN1, token_order=jnp.asarray(np.random.default_rng(0).permutation(61),
+                                                 jnp.int32))
 
 POLICIES = {
     "chain": StaticTree.chain(5),
@@ -59,15 +63,17 @@ POLICIES = {
 }
 
 
-@pytest.mark.parametrize("version, policy", [(3, p) for p in POLICIES]
-                         + [(1, "static-tree"), (1, "dynamic-16")])
-def test_greedy_eagle_equals_plain(version, policy):
+@pytest.mark.parametrize("version, policy, vocab", [(3, p, None) for p in POLICIES]
+                         + [(1, "static-tree", None), (1, "dynamic-16", None),
+                            (1, "dynamic-16", 30), (1, "chain", 30)])
+def test_greedy_eagle_equals_plain(version, policy, vocab):
     """Batch 4 with mixed lengths and a stop token, and batch 1 for EAGLE-3's chain and
     16-node dynamic tree (the other policies share their batch-1 code paths, and EAGLE-1 every
-    code path but the layer's inputs and head): token for token."""
-    cfg, own = (E3, OWN3) if version == 3 else (E1, OWN1)
-    drafter = EagleDrafter(cfg, TGT, POLICIES[policy])
-    dp = eagle.drafter_params(own, PARAMS)
+    code path but the layer's inputs and head; with a draft vocabulary of 30 ids, its head):
+    token for token."""
+    cfg, own = (E3, OWN3) if version == 3 else (E1, OWN1_RANKED)
+    drafter = EagleDrafter(cfg, TGT, POLICIES[policy], vocab)
+    dp = eagle.drafter_params(own, PARAMS, target=TGT, vocab=vocab)
     plain = api.generate_tokens(TINY, PARAMS, PROMPTS, max_new_tokens=20)
     stop = plain.tokens[1][8]
     plain_stop = api.generate_tokens(TINY, PARAMS, PROMPTS, max_new_tokens=20, stop_tokens=[stop])
@@ -200,6 +206,52 @@ def test_a_candidate_whose_parent_lost_the_rerank_is_invalid():
             assert ok[par[i]]
 
 
+def test_an_eagle1_draft_vocabulary_scores_its_ids_as_the_full_head_does():
+    """EAGLE-1's logits over a draft vocabulary are the target head's at those ids (ascending),
+    its drafts are target ids from it, and a sampled chain's q is finite exactly there."""
+    vocab = 20
+    ids = np.sort(np.asarray(OWN1_RANKED["token_order"])[:vocab])
+    dp_full = eagle.drafter_params(OWN1_RANKED, PARAMS)
+    dp_small = eagle.drafter_params(OWN1_RANKED, PARAMS, target=TGT, vocab=vocab)
+    np.testing.assert_array_equal(np.asarray(dp_small["head"]["ids"]), ids)
+    out = jax.random.normal(jax.random.key(1), (3, TINY.d_model))
+    full = EagleDrafter(E1, TGT, StaticTree.chain(4))
+    small = EagleDrafter(E1, TGT, StaticTree.chain(4), vocab)
+    want = np.asarray(full._logits(dp_full, out))[:, ids]
+    np.testing.assert_allclose(np.asarray(small._logits(dp_small, out)), want, rtol=1e-5,
+                               atol=1e-5 * np.abs(want).max())
+    tokens, lengths = api.pad_prompts(PROMPTS)
+    _, taps, _ = target.prefill(PARAMS, TINY, jnp.asarray(tokens), jnp.asarray(lengths), 32,
+                                E1.taps)
+    roots = jnp.asarray([3, 7, 11, 2], jnp.int32)
+    seq = np.pad(tokens, ((0, 0), (0, 1)))
+    seq[np.arange(len(PROMPTS)), lengths] = np.asarray(roots)
+    ctx = Context(jnp.asarray(seq), jnp.asarray(lengths) + 1,
+                  sampling.SamplingParams.make(len(PROMPTS), 1.0, 0, 1.0))
+    prefill = Prefill(jnp.asarray(tokens), jnp.asarray(lengths), taps, roots, 32)
+    for policy in (DynamicTree(n_nodes=16, depth=3, top_k=4), SampledChain(3)):
+        drafter = EagleDrafter(E1, TGT, policy, vocab)
+        state = drafter.init(dp_small, prefill)
+        proposal, _ = drafter.propose(dp_small, state, ctx, jax.random.key(0))
+        drafted = np.asarray(proposal.tokens)[:, 1:][np.asarray(proposal.node_valid)[:, 1:]]
+        assert np.isin(drafted, ids).all()
+    q = np.asarray(proposal.draft_logits)[:, :-1]  # the sampled chain's, [B, 3, V]
+    assert (np.isfinite(q) == np.isin(np.arange(TINY.vocab_size), ids)).all()
+    unrestricted, _ = full.propose(dp_full, full.init(dp_full, prefill), ctx, jax.random.key(0))
+    assert not np.isin(np.asarray(unrestricted.tokens)[:, 1:], ids).all()
+    with pytest.raises(ValueError, match="build its params with eagle.drafter_params"):
+        small.propose(dp_full, state, ctx, jax.random.key(0))
+    with pytest.raises(ValueError, match="carries no token_order"):
+        eagle.drafter_params(OWN1, PARAMS, target=TGT, vocab=vocab)
+    with pytest.raises(ValueError, match="a draft vocabulary of the target's head is for "
+                                         "EAGLE-1"):
+        EagleDrafter(E3, TGT, vocab=vocab)
+    with pytest.raises(ValueError, match="a draft vocabulary of the target's head is for "
+                                         "EAGLE-1"):
+        eagle.resolve_vocab(E3, 8)
+    assert eagle.resolve_vocab(E1, "full") is None and eagle.resolve_vocab(E1, 8) == 8
+
+
 # ------------------------------------------------------------------------------------------
 # The sampled chain's real q, end to end, on an 8-token target with an exact law.
 
@@ -215,27 +267,38 @@ class LyingDrafter(EagleDrafter):
         return dataclasses.replace(proposal, draft_logits=lie), state
 
 
-def _sampled_chain_samples(cls, temperature, top_k, top_p, seeds=4):
-    e3, own = _eagle3(TINY8, vocab=6, seed=3, scale=1.5, taps=(1, 2, 3))
-    drafter = cls(e3, DecoderTarget(TINY8), SampledChain(3))
+def _sampled_chain_samples(cls, temperature, top_k, top_p, seeds=4, version=3):
+    tgt = DecoderTarget(TINY8)
+    if version == 3:
+        cfg, own = _eagle3(TINY8, vocab=6, seed=3, scale=1.5, taps=(1, 2, 3))
+        vocab = None
+    else:  # EAGLE-1 drafting from 5 of the 8 ids
+        cfg = EagleConfig.eagle1(TINY8)
+        own = dict(eagle.init_params(cfg, 0, scale=1.5),
+                   token_order=jnp.asarray([6, 1, 4, 0, 7, 2, 3, 5], jnp.int32))
+        vocab = 5
+    drafter = cls(cfg, tgt, SampledChain(3), vocab)
+    dp = eagle.drafter_params(own, PARAMS8, target=tgt, vocab=vocab)
     sp = sampling.SamplingParams.make(ROWS, temperature, top_k, top_p)
     prompt = jnp.tile(jnp.asarray(PROMPT8, jnp.int32), (ROWS, 1))
     samples, accepted = [], 0
     for seed in range(seeds):
         out = decode.speculative_generate(
-            PARAMS8, eagle.drafter_params(own, PARAMS8), prompt, jnp.full((ROWS,), 2, jnp.int32),
-            sp, jax.random.key(seed), target=DecoderTarget(TINY8), drafter=drafter,
-            max_new_tokens=3, capacity=16)
+            PARAMS8, dp, prompt, jnp.full((ROWS,), 2, jnp.int32), sp, jax.random.key(seed),
+            target=tgt, drafter=drafter, max_new_tokens=3, capacity=16)
         samples.append(np.asarray(out.tokens))
         accepted += int(out.stats.accepted.sum())
     return np.concatenate(samples), accepted
 
 
-@pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, 0, 1.0), (0.7, 5, 0.9)])
-def test_sampled_chain_preserves_the_target_law(temperature, top_k, top_p):
-    """EAGLE-3 with a reduced vocabulary (6 of 8 ids) drafting sampled chains of 3 with its real
-    q samples the exact law of plain sampling: chi-square on 200k samples, alpha = 0.001."""
-    samples, accepted = _sampled_chain_samples(EagleDrafter, temperature, top_k, top_p)
+@pytest.mark.parametrize("temperature, top_k, top_p, version",
+                         [(1.0, 0, 1.0, 3), (0.7, 5, 0.9, 3), (1.0, 0, 1.0, 1)])
+def test_sampled_chain_preserves_the_target_law(temperature, top_k, top_p, version):
+    """EAGLE-3 with a reduced vocabulary (6 of 8 ids), and EAGLE-1 drafting from 5 of the 8
+    ids of its ranking, drafting sampled chains of 3 with their real q sample the exact law of
+    plain sampling: chi-square on 200k samples, alpha = 0.001."""
+    samples, accepted = _sampled_chain_samples(EagleDrafter, temperature, top_k, top_p,
+                                               version=version)
     assert accepted > len(samples) // 20  # the drafts do get accepted
     assert chi_square_p(samples, exact_transformer_law(temperature, top_k, top_p)) > 1e-3
 

@@ -275,7 +275,7 @@ def test_dflash_export_then_import_round_trips(tmp_path, learned):
                  own, own2)
 
 
-def test_a_dflash_token_order_survives_export_and_can_be_added_later(tmp_path):
+def test_a_token_order_survives_export_and_can_be_added_later(tmp_path):
     """A ranking is saved as exact int32 ids beside bfloat16 weights, loads back, and
     ``set_token_order`` adds (or replaces) one in a drafter directory without touching the
     weights' bytes; a ranking that repeats an id is refused before anything is written."""
@@ -315,10 +315,27 @@ def test_a_dflash_token_order_survives_export_and_can_be_added_later(tmp_path):
         official.load_dflash(tmp_path / "c", TARGET)
     with pytest.raises(ValueError, match=r"draft_vocab_size 65 must be in \[1, 64\]"):
         official.set_token_order(tmp_path / "b", order, draft_vocab_size=65)
+    # An EAGLE-1 drafter takes a ranking the same way (a tensor beside its weights, exported
+    # and loaded back), but no default size: its config.json keeps the official fields.
     ecfg = EagleConfig.eagle1(TARGET)
-    official.save_eagle(ecfg, eagle.init_params(ecfg, 0), tmp_path / "eagle")
-    with pytest.raises(ValueError, match="not a DFlash drafter"):
-        official.set_token_order(tmp_path / "eagle", order)
+    eown = eagle.init_params(ecfg, 0)
+    official.save_eagle(ecfg, eown, tmp_path / "eagle1")
+    official.set_token_order(tmp_path / "eagle1", order)
+    _, ranked = official.load_eagle(tmp_path / "eagle1", TARGET)
+    np.testing.assert_array_equal(np.asarray(ranked["token_order"]), order)
+    official.save_eagle(ecfg, ranked, tmp_path / "eagle1-again", dtype="bfloat16")
+    _, again = official.load_eagle(tmp_path / "eagle1-again", TARGET)
+    np.testing.assert_array_equal(np.asarray(again["token_order"]), order)
+    with pytest.raises(ValueError, match="choose its draft vocabulary when drafting"):
+        official.set_token_order(tmp_path / "eagle1", order, draft_vocab_size=20)
+    e3 = EagleConfig.eagle3(TARGET, draft_vocab_size=DRAFT_VOCAB)
+    e3own = dict(eagle.init_params(e3, 0), d2t=jnp.asarray(
+        eagle.draft_vocab(np.arange(TARGET.vocab_size), DRAFT_VOCAB)))
+    official.save_eagle(e3, e3own, tmp_path / "eagle3")
+    with pytest.raises(ValueError, match="neither a DFlash drafter .* nor an EAGLE-1 one"):
+        official.set_token_order(tmp_path / "eagle3", order)
+    with pytest.raises(ValueError, match="a token_order ranks the target's head for EAGLE-1"):
+        eagle.check_params(e3, dict(e3own, token_order=jnp.asarray(order)))
 
 
 def test_dflash_mismatches_name_the_problem(tmp_path):

@@ -652,14 +652,6 @@ def drafter_params(own: dict, target_params: dict, *, target=None,
       ValueError: ``vocab`` without a ``target``, or for a drafter without a ``token_order``.
     """
     params = {"drafter": own, "target": target_params}
-    if vocab is None:
-        return params
-    if target is None:
-        raise ValueError("a draft vocabulary gathers rows of the target's head: pass target=")
-    if "token_order" not in own:
-        raise ValueError("this DFlash drafter carries no token_order (a ranking of the target's "
-                         "ids by frequency), so it has no draft vocabulary; give it one with "
-                         "'specjax data rank DATA --drafter DIR'")
-    ids = jnp.asarray(vocab_lib.top_ids(np.asarray(own["token_order"]), vocab))
-    params["head"] = {"ids": ids, "rows": target.head_rows(target_params, ids)}
+    if vocab is not None:
+        params["head"] = vocab_lib.gather_head(own, target, target_params, vocab, "DFlash")
     return params

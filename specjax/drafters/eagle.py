@@ -46,7 +46,16 @@ through the :class:`~specjax.targets.DraftingTarget` protocol)::
                 "wqkv": [in, K, G + 2, H] (in = 2D for EAGLE-3, D for EAGLE-1), "wo": [N * H, D],
                 "mlp_norm": [D], "w_gate_up": [D, 2, F], "w_down": [F, D]}
       "final_norm": [D], "lm_head": [D, Vd], "d2t": [Vd] int32   (EAGLE-3 only)
+      "token_order": [V] int32   (EAGLE-1, optional: target ids, the most frequent in the
+                                  training data first; not trained)
     }
+
+**An EAGLE-1 draft vocabulary.** The target's head over every drafted node is most of an
+EAGLE-1 draft call on a small target; with ``EagleDrafter(vocab=Vd)`` it scores only the Vd
+first ids of ``token_order`` (:mod:`specjax.drafters.vocab`), whose rows of the target's head
+:func:`drafter_params` gathers once (``params["head"] = {"ids": [Vd] int32, "rows": [Vd,
+E]}``), as a DFlash drafter does. Drafts come from those ids only and a sampled chain's q is
+its distribution over them (0 elsewhere), so every policy stays lossless.
 
 Axis legend as in :mod:`specjax.models.layers`, plus E target width, Vd draft vocabulary,
 k top-k, M nodes fed in one draft call.
@@ -63,7 +72,7 @@ import numpy as np
 
 from specjax import sampling
 from specjax.config import ModelConfig
-from specjax.drafters import vocab
+from specjax.drafters import vocab as vocab_lib
 from specjax.drafters.base import (CATCH_UP, Accepted, Context, Prefill, Proposal,
                                    chain_parents, check_shapes)
 from specjax.models import attention as attn
@@ -203,13 +212,20 @@ def draft_vocab(counts: np.ndarray, size: int) -> np.ndarray:
       [Vd] int32 offsets, ``target_id = i + d2t[i]``. Ties (unseen ids included) go to the
       smaller id, so a vocabulary larger than the data's still has exactly Vd ids.
     """
-    used = vocab.top_ids(vocab.frequency_order(counts), size)
+    used = vocab_lib.top_ids(vocab_lib.frequency_order(counts), size)
     return (used - np.arange(size)).astype(np.int32)
 
 
 def check_params(cfg: EagleConfig, own: dict) -> None:
-    """Raises ValueError when ``own`` does not fit ``cfg`` (keys, shapes, ``d2t`` range)."""
-    check_shapes(f"EAGLE-{cfg.version}", jax.eval_shape(lambda: init_params(cfg)), own)
+    """Raises ValueError when ``own`` does not fit ``cfg`` (keys, shapes, ``d2t`` range, an
+    EAGLE-1 ``token_order`` that does not rank every target id once)."""
+    weights = {k: v for k, v in own.items() if k != "token_order"}
+    check_shapes(f"EAGLE-{cfg.version}", jax.eval_shape(lambda: init_params(cfg)), weights)
+    if "token_order" in own:
+        if cfg.version != 1:
+            raise ValueError("an EAGLE-3 drafter's draft vocabulary is its d2t; a token_order "
+                             "ranks the target's head for EAGLE-1")
+        vocab_lib.check_order(np.asarray(own["token_order"]), cfg.target_vocab_size)
     if cfg.version == 3:
         ids = np.arange(cfg.draft_vocab_size) + np.asarray(own["d2t"])
         if ids.min() < 0 or ids.max() >= cfg.target_vocab_size:
@@ -221,11 +237,6 @@ def check_params(cfg: EagleConfig, own: dict) -> None:
 
 # ----------------------------------------------------------------------------------------
 # The draft layer, as pure functions of the params.
-
-
-def _target_ids(cfg: EagleConfig, own: dict, draft_ids: jax.Array) -> jax.Array:
-    """Draft-vocabulary ids -> target ids (identity for EAGLE-1)."""
-    return draft_ids + own["d2t"][draft_ids] if cfg.version == 3 else draft_ids
 
 
 def layer_inputs(cfg: EagleConfig, target, params: dict, tokens: jax.Array, hidden: jax.Array,
@@ -269,15 +280,6 @@ def draft_logits(cfg: EagleConfig, target, params: dict, out: jax.Array) -> jax.
     own = params["drafter"]
     h = layers.rms_norm(out, own["final_norm"], cfg.layer.norm_eps)
     return layers.matmul(h, own["lm_head"], "...d,dv->...v")
-
-
-def full_vocab_logits(cfg: EagleConfig, own: dict, logits: jax.Array) -> jax.Array:
-    """Draft-vocabulary logits [..., Vd] scattered to the target's [..., V] (-inf elsewhere)."""
-    if cfg.version == 1 or cfg.draft_vocab_size == cfg.target_vocab_size:
-        return logits
-    ids = jnp.arange(cfg.draft_vocab_size) + own["d2t"]
-    full = jnp.full(logits.shape[:-1] + (cfg.target_vocab_size,), -jnp.inf, logits.dtype)
-    return full.at[..., ids].set(logits)
 
 
 # ----------------------------------------------------------------------------------------
@@ -437,17 +439,30 @@ class EagleDrafter:
         (and, for EAGLE-1, head) the drafter reads from ``params["target"]``.
       policy: a :class:`DynamicTree`, a :class:`~specjax.tree.StaticTree` (a chain is
         ``StaticTree.chain(n)``) or a :class:`SampledChain`.
+      vocab: EAGLE-1 only, Vd: draft from the Vd most frequent ids of the drafter's
+        ``token_order`` only (module docstring; the params from :func:`drafter_params` with
+        the same ``vocab``); None scores the target's whole vocabulary. EAGLE-3 drafts from
+        its own head's ids.
     """
 
     cfg: EagleConfig
     target: Any
     policy: Any = DynamicTree()
+    vocab: int | None = None
 
     def __post_init__(self):
         if not isinstance(self.policy, (DynamicTree, StaticTree, SampledChain)):
             raise ValueError(f"unknown tree policy {self.policy!r}")
         if isinstance(self.policy, StaticTree) and self.policy.n_nodes < 2:
             raise ValueError("a static tree needs at least one draft node")
+        if self.vocab is not None:
+            if self.cfg.version != 1:
+                raise ValueError("an EAGLE-3 drafter drafts from its own head's "
+                                 f"{self.cfg.draft_vocab_size} ids (d2t); a draft vocabulary "
+                                 "of the target's head is for EAGLE-1")
+            if not 1 <= self.vocab <= self.cfg.target_vocab_size:
+                raise ValueError(f"a draft vocabulary of {self.vocab} ids must be in [1, "
+                                 f"{self.cfg.target_vocab_size}]")
 
     # -- static description ------------------------------------------------------------
 
@@ -543,6 +558,40 @@ class EagleDrafter:
 
     # -- drafting ----------------------------------------------------------------------
 
+    def _head(self, params) -> dict | None:
+        """``params["head"]`` (the gathered rows of an EAGLE-1 draft vocabulary), or None."""
+        if self.vocab is None:
+            return None
+        head = params.get("head")
+        if head is None or head["ids"].shape != (self.vocab,):
+            raise ValueError(f"the drafter drafts from {self.vocab} ids: build its params with "
+                             f"eagle.drafter_params(..., vocab={self.vocab})")
+        return head
+
+    def _logits(self, params, out: jax.Array) -> jax.Array:
+        """Float32 logits [..., Vd] of the layer's outputs [..., D] over the draft ids."""
+        head = self._head(params)
+        if head is None:
+            return draft_logits(self.cfg, self.target, params, out)
+        return layers.matmul(out, head["rows"], "...d,vd->...v")
+
+    def _ids(self, params, draft_ids: jax.Array) -> jax.Array:
+        """Draft-vocabulary ids -> target ids."""
+        if self.cfg.version == 3:
+            return draft_ids + params["drafter"]["d2t"][draft_ids]
+        head = self._head(params)
+        return draft_ids if head is None else head["ids"][draft_ids]
+
+    def _full(self, params, logits: jax.Array) -> jax.Array:
+        """Draft-vocabulary logits [..., Vd] scattered to the target's [..., V] (-inf
+        elsewhere)."""
+        cfg = self.cfg
+        if logits.shape[-1] == cfg.target_vocab_size:
+            return logits
+        ids = self._ids(params, jnp.arange(logits.shape[-1]))
+        full = jnp.full(logits.shape[:-1] + (cfg.target_vocab_size,), -jnp.inf, logits.dtype)
+        return full.at[..., ids].set(logits)
+
     def _node_step(self, params, state: EagleState, n_fed: int):
         """A draft call on tree nodes, keeping their K/V in a block of ``n_fed`` fresh keys.
 
@@ -570,7 +619,7 @@ class EagleDrafter:
                 return [committed, attn.KeyBlock(buf["k"], buf["v"], attn.Dense(visible))]
 
             out, _, _ = decoder_layer(cfg, params["drafter"], x, residual, positions, blocks_of)
-            return draft_logits(cfg, self.target, params, out), out
+            return self._logits(params, out), out
 
         return step
 
@@ -581,21 +630,20 @@ class EagleDrafter:
     def propose(self, params, state: EagleState, ctx: Context, rng):
         """Drafts the policy's proposal; every node carries its path confidence (the product
         of the drafter's probabilities along its path, the dynamic tree's ranking score)."""
-        cfg, policy = self.cfg, self.policy
-        own = params["drafter"]
-        root_logits = draft_logits(cfg, self.target, params, state.last)  # [B, Vd]
+        policy = self.policy
+        root_logits = self._logits(params, state.last)  # [B, Vd]
         if isinstance(policy, DynamicTree):
             k = policy.top_k
             node_step = self._node_step(params, state, policy.depth * k)
 
             def step(level, hidden, ids, visible):
-                logits, out = node_step(level * k, hidden, _target_ids(cfg, own, ids), visible,
+                logits, out = node_step(level * k, hidden, self._ids(params, ids), visible,
                                         level)
                 return jax.nn.log_softmax(logits, axis=-1), out
 
             ids, parents, valid, path_logp = expand_dynamic(
                 step, jax.nn.log_softmax(root_logits, axis=-1), state.last, policy)
-            tokens = jnp.concatenate([ctx.root[:, None], _target_ids(cfg, own, ids)], axis=1)
+            tokens = jnp.concatenate([ctx.root[:, None], self._ids(params, ids)], axis=1)
             conf = jnp.exp(jnp.pad(path_logp, ((0, 0), (1, 0))))  # the root's log-prob is 0
             return Proposal(tokens, parents, valid, confidence=jnp.where(valid, conf, 0.0)), state
         if isinstance(policy, SampledChain):
@@ -626,19 +674,18 @@ class EagleDrafter:
             hidden = jnp.stack([out_of[int(parents[i])] for i in inner], axis=1)
             node_ids = jnp.stack([ids[i] for i in inner], axis=1)
             visible = jnp.broadcast_to(vis, (b,) + vis.shape)
-            logits, out = node_step(col, hidden, _target_ids(self.cfg, params["drafter"], node_ids),
-                                    visible, lvl)
+            logits, out = node_step(col, hidden, self._ids(params, node_ids), visible, lvl)
             col += len(inner)
             node_lp, node_ids = jax.lax.top_k(jax.nn.log_softmax(logits, axis=-1), need)
             for r, i in enumerate(inner):  # node_lp, node_ids: [B, M, need]
                 top[i], out_of[i] = (node_lp[:, r], node_ids[:, r]), out[:, r]
-        drafts = _target_ids(self.cfg, params["drafter"], jnp.stack(ids[1:], axis=1))
+        drafts = self._ids(params, jnp.stack(ids[1:], axis=1))
         tokens = jnp.concatenate([ctx.root[:, None], drafts], axis=1)
         return Proposal(tokens, jnp.broadcast_to(jnp.asarray(parents, jnp.int32), (b, n)),
                         jnp.ones((b, n), bool), confidence=jnp.exp(jnp.stack(path_lp, axis=1)))
 
     def _sampled_chain(self, params, state, ctx, rng, root_logits) -> Proposal:
-        cfg, own = self.cfg, params["drafter"]
+        cfg = self.cfg
         length = self.policy.length
         b = root_logits.shape[0]
         node_step = self._node_step(params, state, max(length - 1, 1))
@@ -647,7 +694,7 @@ class EagleDrafter:
         drafts, q_logits, lp = [], [], [jnp.zeros((b,))]
         eye = np.eye(max(length - 1, 1), dtype=bool)
         for i in range(length):
-            full = full_vocab_logits(cfg, own, logits)  # [B, V], what draft i is drawn from
+            full = self._full(params, logits)  # [B, V], what draft i is drawn from
             tok = sampling.sample_rows(jax.random.split(keys[i], b), full, ctx.sp)
             drafts.append(tok)
             q_logits.append(full)
@@ -666,7 +713,32 @@ class EagleDrafter:
                         dl, jnp.exp(jnp.stack(lp, axis=1)))
 
 
-def drafter_params(own: dict, target_params: dict) -> dict:
-    """The params pytree an :class:`EagleDrafter` takes: its own weights and the target's."""
-    return {"drafter": own, "target": target_params}
+def resolve_vocab(cfg: EagleConfig, given: int | str | None) -> int | None:
+    """The draft vocabulary to draft from (an :class:`EagleDrafter`'s ``vocab``): ``given``
+    ids for EAGLE-1, None (the target's whole head) for None or ``"full"``.
+
+    Raises:
+      ValueError: a size for an EAGLE-3 drafter, which drafts from its own head's ids.
+    """
+    if given is None or given == "full":
+        return None
+    if cfg.version != 1:
+        raise ValueError(f"an EAGLE-3 drafter drafts from its own head's {cfg.draft_vocab_size} "
+                         "ids (d2t); a draft vocabulary of the target's head is for EAGLE-1")
+    return int(given)
+
+
+def drafter_params(own: dict, target_params: dict, *, target=None,
+                   vocab: int | None = None) -> dict:
+    """The params pytree an :class:`EagleDrafter` takes: its own weights and the target's, and
+    for an EAGLE-1 drafter with ``vocab`` = Vd the rows of ``target``'s head (a
+    :class:`~specjax.targets.DraftingTarget`) of the Vd first ids of ``own["token_order"]``.
+
+    Raises:
+      ValueError: ``vocab`` without a ``target``, or for a drafter without a ``token_order``.
+    """
+    params = {"drafter": own, "target": target_params}
+    if vocab is not None:
+        params["head"] = vocab_lib.gather_head(own, target, target_params, vocab, "EAGLE-1")
+    return params
 

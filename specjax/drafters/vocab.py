@@ -9,6 +9,7 @@ restricts the target's head to the top of a ranking it carries (``token_order``)
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 import numpy as np
 
 
@@ -40,3 +41,22 @@ def check_order(order: np.ndarray, vocab_size: int) -> None:
     if not np.array_equal(np.sort(order), np.arange(vocab_size)):
         raise ValueError(f"token_order does not rank each of the {vocab_size} ids exactly once "
                          "(an id repeats or lies outside the vocabulary)")
+
+
+def gather_head(own: dict, target, target_params, size: int, family: str) -> dict:
+    """``{"ids": [size] int32, "rows": [size, E]}``: the ``size`` first ids of a drafter's
+    ranking ``own["token_order"]`` (ascending) and their rows of ``target``'s head (a
+    :class:`~specjax.targets.DraftingTarget`), gathered once, outside the decoding loop.
+
+    Raises:
+      ValueError: no ``target``, or a drafter without a ``token_order``.
+    """
+    if target is None:
+        raise ValueError("a draft vocabulary gathers rows of the target's head: pass target=")
+    if "token_order" not in own:
+        raise ValueError(f"this {family} drafter carries no token_order (a ranking of the "
+                         "target's ids by frequency), so it has no draft vocabulary; give it "
+                         "one with 'specjax data rank DATA --drafter DIR'")
+    ids = jnp.asarray(top_ids(np.asarray(own["token_order"]), size))
+    return {"ids": ids, "rows": target.head_rows(target_params, ids)}
+

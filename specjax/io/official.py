@@ -8,7 +8,9 @@ the target's, ``target_hidden_size``) and ``model.safetensors`` or a torch ``pyt
 :data:`EAGLE1_TABLE`) serves both directions; matrices are torch ``Linear`` weights
 ``[out, in]``. EAGLE-3 files hold ``d2t`` (int64 offsets, draft id i is target id
 ``i + d2t[i]``) and ``t2d`` (a bool mask over the target vocabulary, the same set); neither
-version stores the embedding, which the drafter reads from its target.
+version stores the embedding, which the drafter reads from its target. An EAGLE-1 drafter
+with a draft vocabulary (:mod:`specjax.drafters.vocab`) adds a ``token_order`` [vocab] int32
+tensor, as DFlash ones do (below).
 
     cfg, own = official.load_eagle("EAGLE3-LLaMA3.1-Instruct-8B", target_cfg)
     official.save_eagle(cfg, own, "out/")   # config.json + model.safetensors
@@ -244,6 +246,14 @@ def _table(cfg: EagleConfig) -> dict[str, Row]:
     return {k: r for k, r in rows.items() if k != "fc_bias" or cfg.fc_bias}
 
 
+def _ids(tensor, source: Path) -> np.ndarray:
+    """A ``token_order`` tensor as int32 ids; ValueError naming ``source`` unless integers."""
+    order = np.asarray(tensor)
+    if not np.issubdtype(order.dtype, np.integer):
+        raise ValueError(f"token_order in {source} holds {order.dtype}, not ids")
+    return order.astype(np.int32)
+
+
 def load_eagle(path: str | Path, target_cfg: ModelConfig,
                dtype: str = "float32") -> tuple[EagleConfig, dict]:
     """Loads an official-format EAGLE-1/2/3 drafter directory for ``target_cfg``.
@@ -279,6 +289,8 @@ def load_eagle(path: str | Path, target_cfg: ModelConfig,
             own["layer"][key[len("layer."):]] = leaf
         else:
             own[key] = leaf
+    if "token_order" in tensors:
+        own["token_order"] = jnp.asarray(_ids(tensors["token_order"], path / source))
     eagle.check_params(cfg, own)
     if cfg.version == 3 and "t2d" in tensors:
         ids = np.arange(cfg.draft_vocab_size) + np.asarray(own["d2t"])
@@ -291,8 +303,8 @@ def load_eagle(path: str | Path, target_cfg: ModelConfig,
 def save_eagle(cfg: EagleConfig, own: dict, out_dir: str | Path,
                dtype: str | None = None) -> Path:
     """Writes ``own`` as an official-format checkpoint: ``config.json`` + ``model.safetensors``
-    (floats in ``dtype``, default the drafter's; EAGLE-3 with ``d2t`` and ``t2d``). Returns the
-    directory."""
+    (floats in ``dtype``, default the drafter's; EAGLE-3 with ``d2t`` and ``t2d``; an EAGLE-1
+    ``token_order`` as int32, a specjax addition). Returns the directory."""
     import jax
     import jax.numpy as jnp
 
@@ -313,6 +325,8 @@ def save_eagle(cfg: EagleConfig, own: dict, out_dir: str | Path,
         t2d = np.zeros(cfg.target_vocab_size, np.bool_)
         t2d[np.arange(cfg.draft_vocab_size) + np.asarray(own["d2t"])] = True
         tensors.append(("t2d", t2d))
+    if "token_order" in own:
+        tensors.append(("token_order", np.asarray(own["token_order"], np.int32)))
     write_safetensors(out / "model.safetensors", tensors)
     (out / "config.json").write_text(json.dumps(config_to_official(cfg), indent=2) + "\n")
     return out
@@ -474,10 +488,7 @@ def load_dflash(path: str | Path, target_cfg: ModelConfig, dtype: str = "float32
         else:
             own["layers"][where[1]][where[2]] = leaf
     if "token_order" in tensors:
-        order = np.asarray(tensors["token_order"])
-        if not np.issubdtype(order.dtype, np.integer):
-            raise ValueError(f"token_order in {path / source} holds {order.dtype}, not ids")
-        own["token_order"] = jnp.asarray(order.astype(np.int32))
+        own["token_order"] = jnp.asarray(_ids(tensors["token_order"], path / source))
     elif cfg.draft_vocab_size is not None:
         raise ValueError(f"{path / 'config.json'} sets draft_vocab_size but {path / source} has "
                          "no token_order to take those ids from")
@@ -522,15 +533,17 @@ def save_dflash(cfg, own: dict, out_dir: str | Path, dtype: str | None = None) -
 def set_token_order(path: str | Path, order: np.ndarray,
                     draft_vocab_size: int | None = None) -> Path:
     """Writes a ranking of the target's ids (``token_order`` [V], the most frequent first, see
-    :mod:`specjax.drafters.vocab`) into the DFlash drafter directory ``path``, replacing any
-    it had; the other tensors are kept byte for byte. ``model.safetensors`` is rewritten
-    through a temporary file, so an interrupted write leaves the old one. With
-    ``draft_vocab_size``, config.json's ``draft_vocab_size`` (the drafter's default draft
-    vocabulary) is set too. Returns the tensor file's path.
+    :mod:`specjax.drafters.vocab`) into the DFlash or EAGLE-1 drafter directory ``path``,
+    replacing any it had; the other tensors are kept byte for byte. ``model.safetensors`` is
+    rewritten through a temporary file, so an interrupted write leaves the old one. With
+    ``draft_vocab_size`` (DFlash only: an EAGLE-1 config's fields are the official ones),
+    config.json's ``draft_vocab_size`` (the drafter's default draft vocabulary) is set too.
+    Returns the tensor file's path.
 
     Raises:
       FileNotFoundError: no config.json or model.safetensors in ``path``.
-      ValueError: not a DFlash drafter, or ``order`` does not rank its vocabulary.
+      ValueError: neither a DFlash nor an EAGLE-1 drafter, ``order`` does not rank its
+        vocabulary, or a ``draft_vocab_size`` for an EAGLE-1 drafter.
     """
     from specjax.drafters import vocab
 
@@ -541,10 +554,15 @@ def set_token_order(path: str | Path, order: np.ndarray,
     st = path / "model.safetensors"
     if not st.exists():
         raise FileNotFoundError(f"no model.safetensors in {path}")
-    if "block_size" not in config and "dflash_config" not in config:
-        raise ValueError(f"{path} is not a DFlash drafter: its config.json has no block_size "
-                         "or dflash_config")
     f = SafetensorsFile(st)
+    is_dflash = "block_size" in config or "dflash_config" in config
+    if not is_dflash and "layers.0.self_attn.q_proj.weight" not in f.keys():
+        raise ValueError(f"{path} is neither a DFlash drafter (its config.json has no "
+                         "block_size or dflash_config) nor an EAGLE-1 one (no layers.0.* "
+                         "tensors)")
+    if not is_dflash and draft_vocab_size is not None:
+        raise ValueError("an EAGLE-1 drafter's config.json keeps the official fields; choose "
+                         "its draft vocabulary when drafting (--draft-vocab)")
     size = int(config["vocab_size"])
     vocab.check_order(order, size)
     if draft_vocab_size is not None and not 1 <= draft_vocab_size <= size:
