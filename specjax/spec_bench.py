@@ -16,11 +16,12 @@ times move with whatever else the machine runs):
    of JSONL prompt files (``--prompt-file``, e.g. MT-Bench's ``question.jsonl:turns``;
    repeated, several named sets, which share every compiled configuration and get a table
    each). With ``--methods eagle3 --drafter DIR`` an EAGLE drafter runs as chains of each
-   draft length and as dynamic trees of each ``--tree-nodes`` size; with ``--methods dflash,ddtree --dflash
-   DIR`` a DFlash drafter runs as block chains of each ``--blocks`` size and as DDTrees of each
-   ``--ddtree-nodes`` size (and, with ``--draft-sample`` at a temperature above 0, as chains
-   drawn from its marginals), each DFlash and EAGLE-1 configuration once per
-   ``--draft-vocabs`` entry (the whole vocabulary, or the drafter's Vd most frequent ids). For plain decoding and each drafter: τ (tokens per
+   draft length and as dynamic trees of each ``--tree-nodes`` size; with ``--methods
+   dflash,ddtree --dflash DIR`` a DFlash drafter runs as block chains of each ``--blocks``
+   size and as DDTrees of each ``--ddtree-nodes`` size (and, with ``--draft-sample`` at a
+   temperature above 0, as chains drawn from its marginals); each DFlash and EAGLE-1
+   configuration runs once per ``--draft-vocabs`` entry (the whole vocabulary, or the
+   drafter's Vd most frequent ids). For plain decoding and each drafter: τ (tokens per
    verify cycle), decode seconds, speedup over plain decoding at the same precision (the lossless
    comparison), speedup over the fastest plain decoding at any precision (what a user feels),
    efficiency = speedup / τ, acceptance by position, and the drafter's own time per cycle
