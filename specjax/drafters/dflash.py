@@ -577,12 +577,9 @@ class DFlashDrafter:
             return attn.Causal() if cfg.causal(i) else attn.Full()
 
         out = draft_layers(cfg, params["drafter"], h, positions, context_block, block_rule)
-        if self.vocab is None:
+        head = vocab_lib.checked_head(params, self.vocab, "dflash")
+        if head is None:
             return self.target.lm_head(params["target"], out[:, 1:])
-        head = params.get("head")
-        if head is None or head["ids"].shape != (self.vocab,):
-            raise ValueError(f"the drafter drafts from {self.vocab} ids: build its params with "
-                             f"dflash.drafter_params(..., vocab={self.vocab})")
         return layers.matmul(out[:, 1:], head["rows"], "...d,vd->...v")
 
     def skip(self, params, state: DFlashState, ctx: Context) -> DFlashState:

@@ -456,10 +456,7 @@ class EagleDrafter:
         if isinstance(self.policy, StaticTree) and self.policy.n_nodes < 2:
             raise ValueError("a static tree needs at least one draft node")
         if self.vocab is not None:
-            if self.cfg.version != 1:
-                raise ValueError("an EAGLE-3 drafter drafts from its own head's "
-                                 f"{self.cfg.draft_vocab_size} ids (d2t); a draft vocabulary "
-                                 "of the target's head is for EAGLE-1")
+            resolve_vocab(self.cfg, self.vocab)  # EAGLE-1 only
             if not 1 <= self.vocab <= self.cfg.target_vocab_size:
                 raise ValueError(f"a draft vocabulary of {self.vocab} ids must be in [1, "
                                  f"{self.cfg.target_vocab_size}]")
@@ -560,13 +557,7 @@ class EagleDrafter:
 
     def _head(self, params) -> dict | None:
         """``params["head"]`` (the gathered rows of an EAGLE-1 draft vocabulary), or None."""
-        if self.vocab is None:
-            return None
-        head = params.get("head")
-        if head is None or head["ids"].shape != (self.vocab,):
-            raise ValueError(f"the drafter drafts from {self.vocab} ids: build its params with "
-                             f"eagle.drafter_params(..., vocab={self.vocab})")
-        return head
+        return vocab_lib.checked_head(params, self.vocab, "eagle")
 
     def _logits(self, params, out: jax.Array) -> jax.Array:
         """Float32 logits [..., Vd] of the layer's outputs [..., D] over the draft ids."""

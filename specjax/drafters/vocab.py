@@ -60,3 +60,19 @@ def gather_head(own: dict, target, target_params, size: int, family: str) -> dic
     ids = jnp.asarray(top_ids(np.asarray(own["token_order"]), size))
     return {"ids": ids, "rows": target.head_rows(target_params, ids)}
 
+
+def checked_head(params: dict, size: int | None, family: str) -> dict | None:
+    """``params["head"]`` of a drafter that drafts from ``size`` ids (None: the whole head,
+    no gathered rows).
+
+    Raises:
+      ValueError: params built without the rows of that many ids.
+    """
+    if size is None:
+        return None
+    head = params.get("head")
+    if head is None or head["ids"].shape != (size,):
+        raise ValueError(f"the drafter drafts from {size} ids: build its params with "
+                         f"{family}.drafter_params(..., vocab={size})")
+    return head
+
