@@ -534,14 +534,12 @@ def _add_data(sub):
 
 
 def _data_rank(args) -> int:
-    import json
-
     from specjax.drafters import vocab
     from specjax.io import official
     from specjax.train import data
 
     recs = data.Records(args.dir)
-    size = json.loads((Path(args.drafter) / "config.json").read_text())["vocab_size"]
+    size = official.check_rankable(args.drafter, args.draft_vocab)  # before counting
     counts = data.token_counts(recs, size)
     out = official.set_token_order(args.drafter, vocab.frequency_order(counts),
                                    args.draft_vocab)

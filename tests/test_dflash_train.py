@@ -296,6 +296,11 @@ def test_cli_trains_dflash_and_exports_it(records_dir, tmp_path, monkeypatch, ca
     cfg, ranked_own = official.load_dflash(small / "drafter", TINY)
     assert cfg.draft_vocab_size == 40
     np.testing.assert_array_equal(np.asarray(ranked_own["token_order"]), ranking)
+    # Warm-started from that export without --draft-vocab, a run trains over the whole
+    # vocabulary and exports it as the default.
+    whole = common[:-1] + [str(small / "drafter"), "--run-dir", str(tmp_path / "whole")]
+    assert cli.main(whole + ["--lr", "1e-9"]) == 0
+    assert official.load_dflash(tmp_path / "whole" / "drafter", TINY)[0].draft_vocab_size is None
     capsys.readouterr()
     assert cli.main(common + ["--run-dir", str(tmp_path / "bad"), "--block-size", "8"]) == 2
     assert "--block-size 8 differs from the initial drafter's 4" in capsys.readouterr().err

@@ -250,6 +250,15 @@ def test_an_eagle1_draft_vocabulary_scores_its_ids_as_the_full_head_does():
                                          "EAGLE-1"):
         eagle.resolve_vocab(E3, 8)
     assert eagle.resolve_vocab(E1, "full") is None and eagle.resolve_vocab(E1, 8) == 8
+    with pytest.raises(ValueError, match="a draft vocabulary of 0 ids must be in"):
+        EagleDrafter(E1, TGT, vocab=0)
+    # A tree that expands more children per node than its head scores ids is refused early.
+    with pytest.raises(ValueError, match="up to 4 children of a node from a head of 3 ids"):
+        EagleDrafter(E1, TGT, DynamicTree(n_nodes=16, depth=3, top_k=4), 3)
+    with pytest.raises(ValueError, match="up to 41 children of a node from a head of 40 ids"):
+        EagleDrafter(E3, TGT, DynamicTree(n_nodes=8, depth=1, top_k=41))
+    with pytest.raises(ValueError, match="up to 4 children of a node from a head of 3 ids"):
+        EagleDrafter(E1, TGT, StaticTree.from_choices([[0], [1], [2], [3]]), 3)
 
 
 # ------------------------------------------------------------------------------------------

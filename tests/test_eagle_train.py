@@ -120,6 +120,20 @@ def test_eagle1_training_lowers_the_loss(records, tmp_path):
     assert losses[-1] < 0.7 * losses[0]
 
 
+def test_eagle1_warm_start_carries_its_token_order(records, tmp_path):
+    """An EAGLE-1 drafter with a draft-vocabulary ranking trains from where it was (the
+    ranking an index table, not a weight) and returns that ranking unchanged."""
+    cfg = eagle.EagleConfig.eagle1(TINY)
+    own = eagle.init_params(cfg, 1)
+    order = np.random.default_rng(0).permutation(TINY.vocab_size).astype(np.int32)
+    own["token_order"] = jnp.asarray(order)
+    rows, _, out = _train(records, tmp_path, 1, 3, init=(cfg, own),
+                          policy=eagle.DynamicTree(8, 3, 3))
+    np.testing.assert_array_equal(np.asarray(out["token_order"]), order)
+    assert np.isfinite([r["loss"] for r in rows if "loss" in r]).all()
+    assert not np.allclose(np.asarray(out["fc"]), np.asarray(own["fc"]))
+
+
 def test_cli_trains_eagle3_with_evaluations(records_dir, tmp_path, monkeypatch):
     from specjax import cli
     from specjax.io import models

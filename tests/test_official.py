@@ -313,7 +313,7 @@ def test_a_token_order_survives_export_and_can_be_added_later(tmp_path):
     official.save_dflash(cfg20, own, tmp_path / "c")
     with pytest.raises(ValueError, match="sets draft_vocab_size but .* has no token_order"):
         official.load_dflash(tmp_path / "c", TARGET)
-    with pytest.raises(ValueError, match=r"draft_vocab_size 65 must be in \[1, 64\]"):
+    with pytest.raises(ValueError, match=r"a draft vocabulary of 65 ids must be in \[1, 64\]"):
         official.set_token_order(tmp_path / "b", order, draft_vocab_size=65)
     # An EAGLE-1 drafter takes a ranking the same way (a tensor beside its weights, exported
     # and loaded back), but no default size: its config.json keeps the official fields.
@@ -328,6 +328,13 @@ def test_a_token_order_survives_export_and_can_be_added_later(tmp_path):
     np.testing.assert_array_equal(np.asarray(again["token_order"]), order)
     with pytest.raises(ValueError, match="choose its draft vocabulary when drafting"):
         official.set_token_order(tmp_path / "eagle1", order, draft_vocab_size=20)
+    # The same checks come before any ranking is counted ('data rank' calls them first).
+    assert official.check_rankable(tmp_path / "eagle1") == TARGET.vocab_size
+    assert official.check_rankable(tmp_path / "b", 64) == TARGET.vocab_size
+    with pytest.raises(ValueError, match="choose its draft vocabulary when drafting"):
+        official.check_rankable(tmp_path / "eagle1", 20)
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        official.check_rankable(tmp_path / "nowhere")
     e3 = EagleConfig.eagle3(TARGET, draft_vocab_size=DRAFT_VOCAB)
     e3own = dict(eagle.init_params(e3, 0), d2t=jnp.asarray(
         eagle.draft_vocab(np.arange(TARGET.vocab_size), DRAFT_VOCAB)))

@@ -490,9 +490,8 @@ class DFlashDrafter:
             raise ValueError(f"unknown DFlash proposal policy {self.policy!r}")
         if self.block is not None and self.block < 2:
             raise ValueError(f"a block holds the root and at least one mask, got {self.block}")
-        if self.vocab is not None and not 1 <= self.vocab <= self.cfg.vocab_size:
-            raise ValueError(f"a draft vocabulary of {self.vocab} ids must be in [1, "
-                             f"{self.cfg.vocab_size}]")
+        if self.vocab is not None:
+            vocab_lib.check_size(self.vocab, self.cfg.vocab_size)
 
     @property
     def block_size(self) -> int:

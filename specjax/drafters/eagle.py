@@ -457,9 +457,17 @@ class EagleDrafter:
             raise ValueError("a static tree needs at least one draft node")
         if self.vocab is not None:
             resolve_vocab(self.cfg, self.vocab)  # EAGLE-1 only
-            if not 1 <= self.vocab <= self.cfg.target_vocab_size:
-                raise ValueError(f"a draft vocabulary of {self.vocab} ids must be in [1, "
-                                 f"{self.cfg.target_vocab_size}]")
+            vocab_lib.check_size(self.vocab, self.cfg.target_vocab_size)
+        # The ids the head scores, of which each expanded node takes its best few.
+        scored = self.vocab or (self.cfg.draft_vocab_size if self.cfg.version == 3
+                                else self.cfg.target_vocab_size)
+        children = (self.policy.top_k if isinstance(self.policy, DynamicTree) else
+                    int(_static_plan(self.policy)[0].max()) + 1
+                    if isinstance(self.policy, StaticTree) else 1)
+        if children > scored:
+            raise ValueError(f"the tree takes up to {children} children of a node from a head "
+                             f"of {scored} ids; draft from at least {children} ids or use a "
+                             "narrower tree")
 
     # -- static description ------------------------------------------------------------
 

@@ -3,8 +3,8 @@
 A drafter that scores only the Vd ids its target emits most often pays for a [D, Vd] head
 instead of [D, V] at every drafted position, and stays lossless: verification accepts or
 rejects whatever it drafts, and a sampled draft's q is its own distribution over those ids (0
-elsewhere). EAGLE-3 trains its own head over such a vocabulary (``d2t``); a DFlash drafter
-restricts the target's head to the top of a ranking it carries (``token_order``).
+elsewhere). EAGLE-3 trains its own head over such a vocabulary (``d2t``); DFlash and EAGLE-1
+drafters restrict the target's head to the top of a ranking they carry (``token_order``).
 """
 
 from __future__ import annotations
@@ -30,6 +30,13 @@ def top_ids(order: np.ndarray, size: int) -> np.ndarray:
     if not 1 <= size <= order.shape[0]:
         raise ValueError(f"draft vocabulary size {size} must be in [1, {order.shape[0]}]")
     return np.sort(order[:size]).astype(np.int32)
+
+
+def check_size(size: int, vocab_size: int) -> None:
+    """Raises ValueError unless a draft vocabulary of ``size`` ids fits a target vocabulary of
+    ``vocab_size``."""
+    if not 1 <= size <= vocab_size:
+        raise ValueError(f"a draft vocabulary of {size} ids must be in [1, {vocab_size}]")
 
 
 def check_order(order: np.ndarray, vocab_size: int) -> None:
@@ -75,4 +82,3 @@ def checked_head(params: dict, size: int | None, family: str) -> dict | None:
         raise ValueError(f"the drafter drafts from {size} ids: build its params with "
                          f"{family}.drafter_params(..., vocab={size})")
     return head
-

@@ -264,7 +264,8 @@ def load_eagle(path: str | Path, target_cfg: ModelConfig,
     Raises:
       FileNotFoundError: no config or tensor file.
       ValueError: a drafter/target mismatch, a missing or misshapen tensor, an inconsistent
-        ``d2t``/``t2d``.
+        ``d2t``/``t2d``, a ``token_order`` that does not rank every target id once or that an
+        EAGLE-3 drafter carries.
     """
     import jax.numpy as jnp
 
@@ -530,6 +531,39 @@ def save_dflash(cfg, own: dict, out_dir: str | Path, dtype: str | None = None) -
     return out
 
 
+def check_rankable(path: str | Path, draft_vocab_size: int | None = None) -> int:
+    """The vocabulary size of the DFlash or EAGLE-1 drafter directory ``path``, after checking
+    that :func:`set_token_order` can write a ranking (and ``draft_vocab_size``) into it: a
+    caller can check before counting tokens for the ranking.
+
+    Raises:
+      FileNotFoundError: no config.json or model.safetensors in ``path``.
+      ValueError: neither a DFlash nor an EAGLE-1 drafter, a ``draft_vocab_size`` for an
+        EAGLE-1 drafter, or one outside its vocabulary.
+    """
+    from specjax.drafters import vocab
+
+    path = Path(path)
+    if not (path / "config.json").exists():
+        raise FileNotFoundError(f"no config.json in {path}")
+    config = json.loads((path / "config.json").read_text())
+    st = path / "model.safetensors"
+    if not st.exists():
+        raise FileNotFoundError(f"no model.safetensors in {path}")
+    is_dflash = "block_size" in config or "dflash_config" in config
+    if not is_dflash and "layers.0.self_attn.q_proj.weight" not in SafetensorsFile(st).keys():
+        raise ValueError(f"{path} is neither a DFlash drafter (its config.json has no "
+                         "block_size or dflash_config) nor an EAGLE-1 one (no layers.0.* "
+                         "tensors)")
+    if not is_dflash and draft_vocab_size is not None:
+        raise ValueError("an EAGLE-1 drafter's config.json keeps the official fields; choose "
+                         "its draft vocabulary when drafting (--draft-vocab)")
+    size = int(config["vocab_size"])
+    if draft_vocab_size is not None:
+        vocab.check_size(draft_vocab_size, size)
+    return size
+
+
 def set_token_order(path: str | Path, order: np.ndarray,
                     draft_vocab_size: int | None = None) -> Path:
     """Writes a ranking of the target's ids (``token_order`` [V], the most frequent first, see
@@ -541,37 +575,21 @@ def set_token_order(path: str | Path, order: np.ndarray,
     Returns the tensor file's path.
 
     Raises:
-      FileNotFoundError: no config.json or model.safetensors in ``path``.
-      ValueError: neither a DFlash nor an EAGLE-1 drafter, ``order`` does not rank its
-        vocabulary, or a ``draft_vocab_size`` for an EAGLE-1 drafter.
+      FileNotFoundError, ValueError: what :func:`check_rankable` raises, or ``order`` does not
+        rank the drafter's vocabulary.
     """
     from specjax.drafters import vocab
 
     path = Path(path)
-    if not (path / "config.json").exists():
-        raise FileNotFoundError(f"no config.json in {path}")
-    config = json.loads((path / "config.json").read_text())
+    vocab.check_order(order, check_rankable(path, draft_vocab_size))
     st = path / "model.safetensors"
-    if not st.exists():
-        raise FileNotFoundError(f"no model.safetensors in {path}")
     f = SafetensorsFile(st)
-    is_dflash = "block_size" in config or "dflash_config" in config
-    if not is_dflash and "layers.0.self_attn.q_proj.weight" not in f.keys():
-        raise ValueError(f"{path} is neither a DFlash drafter (its config.json has no "
-                         "block_size or dflash_config) nor an EAGLE-1 one (no layers.0.* "
-                         "tensors)")
-    if not is_dflash and draft_vocab_size is not None:
-        raise ValueError("an EAGLE-1 drafter's config.json keeps the official fields; choose "
-                         "its draft vocabulary when drafting (--draft-vocab)")
-    size = int(config["vocab_size"])
-    vocab.check_order(order, size)
-    if draft_vocab_size is not None and not 1 <= draft_vocab_size <= size:
-        raise ValueError(f"draft_vocab_size {draft_vocab_size} must be in [1, {size}]")
     tensors = [(k, np.asarray(f.get(k))) for k in f.keys() if k != "token_order"]
     tmp = st.with_name(st.name + ".tmp")
     write_safetensors(tmp, tensors + [("token_order", np.asarray(order, np.int32))])
     tmp.replace(st)
     if draft_vocab_size is not None:
+        config = json.loads((path / "config.json").read_text())
         config["draft_vocab_size"] = int(draft_vocab_size)
         (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return st

@@ -294,7 +294,8 @@ def train(target_cfg: ModelConfig, target_params: dict, source: loop.DataSource,
       token_order: [V] int32 the target's ids ranked by frequency in the training records
         (:func:`specjax.drafters.vocab.frequency_order`): the drafter carries it, and with
         ``recipe.draft_vocab`` = Vd the loss, the evaluations and the returned drafter use
-        its Vd first ids (``cfg.draft_vocab_size`` becomes Vd).
+        its Vd first ids (``cfg.draft_vocab_size`` becomes ``recipe.draft_vocab``, None
+        without one: the whole vocabulary).
       progress: show a progress bar.
     Returns:
       ``(result, drafter, own)``: how the run ended, the drafter, and its own params (with
@@ -317,7 +318,8 @@ def train(target_cfg: ModelConfig, target_params: dict, source: loop.DataSource,
             raise ValueError("a draft vocabulary is the first ids of a ranking: pass the "
                              "training records' token_order")
         ids = jnp.asarray(vocab_lib.top_ids(np.asarray(token_order), recipe.draft_vocab))
-        cfg = dataclasses.replace(cfg, draft_vocab_size=recipe.draft_vocab)
+    # What the loss ran over is what the drafter drafts from, whatever ``cfg`` carried in.
+    cfg = dataclasses.replace(cfg, draft_vocab_size=recipe.draft_vocab)
     drafter = DFlashDrafter(cfg, tgt, policy, vocab=recipe.draft_vocab)
     drafter.check_target(tgt)
     own = dflash.init_params(cfg, seed)

@@ -51,19 +51,21 @@ from specjax.train import data, evaluate, loop
 from specjax.train.draft_model import BesideTarget
 
 LABEL_CHUNK = 256  # positions per target-head chunk: [B, chunk, V] logits at a time
+INDEX_TABLES = ("d2t", "token_order")  # own params that index, never train
 
 
 class EagleModule(BesideTarget):
     """An EAGLE drafter's weights as NNX variables, beside its frozen target.
 
-    The drafter's matrices and norms are ``nnx.Param`` and train; ``d2t`` (an index table) is
-    a :class:`~specjax.train.draft_model.Shared` constant of the run, like the target's params.
+    The drafter's matrices and norms are ``nnx.Param`` and train; the index tables (EAGLE-3's
+    ``d2t``, an EAGLE-1 ``token_order``) are :class:`~specjax.train.draft_model.Shared`
+    constants of the run, like the target's params.
     """
 
     def __init__(self, cfg: EagleConfig, own: dict, target_cfg: ModelConfig, target_params: dict):
         eagle.check_params(cfg, own)
         super().__init__(own, target_params,
-                         constant=lambda path: getattr(path[-1], "key", None) == "d2t")
+                         constant=lambda path: getattr(path[-1], "key", None) in INDEX_TABLES)
         self.cfg = cfg
         self.target_cfg = target_cfg
 
@@ -242,9 +244,10 @@ def train(target_cfg: ModelConfig, target_params: dict, records, source: loop.Da
       eval_tokens, stop_tokens: of the evaluations.
       seed: the drafter's initial weights.
       init: ``(cfg, own)`` of a drafter to start from instead of fresh weights (a warm start,
-        e.g. :func:`specjax.io.official.load_eagle` of a shipped drafter, float32): its shape and, for
-        EAGLE-3, its draft vocabulary are kept (``draft_vocab_size`` must be None or equal),
-        the optimizer starts afresh. A run directory with checkpoints resumes from them instead.
+        e.g. :func:`specjax.io.official.load_eagle` of a shipped drafter, float32): its shape and
+        its draft vocabulary are kept (EAGLE-3's ``d2t``, ``draft_vocab_size`` None or equal;
+        an EAGLE-1 ``token_order``, carried to the returned params), the optimizer starts
+        afresh. A run directory with checkpoints resumes from them instead.
       progress: show a progress bar.
     Returns:
       ``(result, drafter, own)``: how the run ended, the drafter, and its own params (use
