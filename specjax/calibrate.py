@@ -54,7 +54,7 @@ from specjax.tree import StaticTree
 
 # Part of every cost table's key: raised when the measurement changes, so tables cached by an
 # earlier version are measured again.
-METHOD_VERSION = 6
+METHOD_VERSION = 7
 
 
 @dataclasses.dataclass(frozen=True)
@@ -239,12 +239,12 @@ def shut_gate():
 def measure_loop_costs(cfg: ModelConfig, params: dict, drafter, dparams,
                        buckets: Sequence[int], *, timed: Sequence[int] | None = None,
                        batch: int = 1, context: int = 256, tokens: int = 32, trials: int = 5,
-                       progress=None):
+                       gated: bool | None = None, progress=None):
     """Seconds of a drafted cycle at budget buckets and of the plain step that replaces a
     cycle while the draft gate is shut, timed inside the decoding loop itself.
 
-    One loop is compiled with all ``buckets`` (gated where the drafter can skip, so that the
-    program timed is the one a cost-aware generation runs). The budget's costs are traced: a
+    One loop is compiled with all ``buckets``, gated as the cost-aware generation's will be
+    (``gated``), so that the program timed is the one it runs. The budget's costs are traced: a
     bucket is forced by pricing it at 1 s and the others at 1e9 s, with a plain step priced so
     high that the gate never shuts. A generation of ``tokens`` and one of ``2 * tokens`` new
     tokens, run back to back (greedy, no stop tokens, from the same random prompts of
@@ -268,6 +268,9 @@ def measure_loop_costs(cfg: ModelConfig, params: dict, drafter, dparams,
         plus the drafting).
       batch, context: rows and committed tokens, as the generation will run.
       tokens, trials: the shorter run's new tokens and the rounds.
+      gated: whether the generation's budget will be gated (:attr:`specjax.harness.Budget.
+        gated`; :func:`loop_cost_table` knows from the drafting's cost); default: wherever
+        the drafter can skip. A drafter that cannot is never timed gated.
       progress: optional callable ``(stage, n, seconds)`` for each measurement once all are
         done (stage ``"cycle"`` with each timed bucket, then ``"step"`` with 0).
     Returns:
@@ -286,7 +289,7 @@ def measure_loop_costs(cfg: ModelConfig, params: dict, drafter, dparams,
     common = dict(prompt_width=width, new_tokens_width=2 * tokens,
                   cache_size=api.round_up(width + 2 * tokens + drafter.n_nodes + 1,
                                           api.CACHE_MULTIPLE))
-    can_gate = hasattr(drafter, "skip")
+    can_gate = hasattr(drafter, "skip") and (gated is None or gated)
 
     def drafted_at(k):
         budget = forced_budget(buckets, k, can_gate)
@@ -348,7 +351,8 @@ def loop_cost_table(cfg: ModelConfig, params: dict, drafter, dparams, buckets: S
 
     The draft cost is one ``propose`` call timed alone (:func:`measure_draft_cost`, what
     deciding to draft at all is about). The largest bucket's cycle and the plain step are
-    timed in the loop (:func:`measure_loop_costs`); a smaller bucket's cycle is that cycle
+    timed in the loop (:func:`measure_loop_costs`, gated where the drafting costs more than
+    ``GATE_MIN_DRAFT`` of the verify curve's one-node pass, as the budget will be); a smaller bucket's cycle is that cycle
     scaled by ``(T_verify(N) + draft) / (T_verify(N_max) + draft)``, the verify passes timed
     in tight loops of passes, every point in each round (:func:`measure_verify_costs`).
     Which bucket pays turns on cycles that differ by a few percent, less than the loop's own
@@ -390,9 +394,11 @@ def loop_cost_table(cfg: ModelConfig, params: dict, drafter, dparams, buckets: S
         for n in drafted:
             report("verify", n, curve.at(n))
     largest = drafted[-1]
+    # Gated as the table's budget will be: drafting dearer than a sliver of a plain step.
+    gated = draft > harness.GATE_MIN_DRAFT * curve.plain_step
     cycles, step = measure_loop_costs(cfg, params, drafter, dparams, buckets, timed=(largest,),
                                       batch=batch, context=context, tokens=tokens,
-                                      trials=trials, progress=report)
+                                      trials=trials, gated=gated, progress=report)
     # More nodes never cost less: a curve out of order is pooled (isotonic) first.
     shape = dict(zip(drafted, monotone([curve.at(n) + draft for n in drafted])))
     scaled = {n: cycles[largest] * shape[n] / shape[largest] for n in drafted}
@@ -454,7 +460,8 @@ def drafter_table_key(cfg: ModelConfig, drafter, *, batch: int, context: int,
                       key: dict) -> dict:
     """The full key of ``drafter``'s cost table (:func:`drafter_cost_table`): ``key`` (the
     model name, method and drafter shape) with the device kind, dtype, batch, context,
-    buckets and method version added."""
+    buckets and method version added. The temperature is not part of it: the table is
+    measured greedy and prices sampled cycles too, whose acceptance sampling it leaves out."""
     return dict(key, device=jax.devices()[0].device_kind, dtype=cfg.dtype, batch=batch,
                 context=context, buckets=list(budget_buckets(drafter.n_nodes)),
                 method_version=METHOD_VERSION)

@@ -194,6 +194,11 @@ def check_capacity(prompt_tokens: int, max_new_tokens: int, capacity: int, extra
 class SpecStats:
     """Per-row statistics of a speculative generation.
 
+    A gated budget's plain steps (cycles that did not draft) count as one-node verify passes
+    that accepted nothing: ``cycles``, ``verified`` and ``accept_hist[:, 0]`` include them, so
+    τ from these counts is tokens per target pass of the whole generation, not the drafter's
+    acceptance on the cycles it drafted.
+
     Attributes:
       cycles: [B] int32 verify passes the row took part in (prefill excluded).
       accepted: [B] int32 accepted drafts over all cycles (bonus tokens excluded).

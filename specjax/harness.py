@@ -48,8 +48,10 @@ bucket (never bucket 0, which would observe nothing and always fail), so a calib
 streak of rejections pushed low meets the drafter's acceptance again. A failure that loses
 ``-a`` plain steps starts a run long enough that the loss is at most ``GATE_PROBE_SHARE`` of
 it (``-a / GATE_PROBE_SHARE`` steps) and at least twice the previous run, up to
-``GATE_MAX_SKIP`` steps: a drafter that never pays costs a few percent at most, and one that
-nearly breaks even is probed often. The gate's state (calibration included) is returned with
+``GATE_MAX_SKIP`` steps: a drafter that never pays costs its probes' losses over runs of
+up to ``GATE_MAX_SKIP`` steps (a few percent when a probe loses a few plain steps, more when
+it loses more than ``GATE_PROBE_SHARE * GATE_MAX_SKIP``), and one that nearly breaks even is
+probed often. The gate's state (calibration included) is returned with
 the generation and may start the next request (``gate=``), which then finishes the run of
 plain steps it is in before drafting again. A drafter whose draft time is negligible (under
 ``GATE_MIN_DRAFT`` of a plain step: prompt lookup) is never gated, so a match is never
@@ -214,7 +216,8 @@ class Gate:
     Attributes:
       advantage: float32, running advantage of drafted cycles, in plain steps.
       wait: int32, plain steps left before the next probe (0: draft this cycle).
-      skip: int32, the shortest next run of plain steps after a failure (twice the last run).
+      skip: int32, the shortest next run of plain steps after a failure (twice the last run
+        after a failure, 1 after a drafted cycle that paid).
       probing: bool, whether the next drafted cycle is a probe (its advantage replaces the
         running one).
       accepted: float32, decayed sum of the drafted cycles' accepted drafts (the batch's

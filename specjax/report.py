@@ -86,7 +86,8 @@ def markdown(records: Sequence[dict]) -> str:
 
 def summary(records: Sequence[dict]) -> str:
     """Per method: its mean speedup over the cells and its worst cell, and its mean speedup
-    over the reference precision's plain decoding where the records have one."""
+    over the reference precision's plain decoding over the cells that have one ("-" when none
+    of the method's do)."""
     by = {}
     for r in records:
         by.setdefault(r["method"], []).append(r)
@@ -102,8 +103,9 @@ def summary(records: Sequence[dict]) -> str:
         if worst.get("context"):
             where += f", context {worst['context']}"
         line = f"| {name} | {mean:.2f}x | {worst['speedup']:.2f}x ({where}) | {tau:.2f} |"
-        if ref:
-            line += f" {sum(r['reference_speedup'] for r in rs) / len(rs):.2f}x |"
+        if ref:  # over the method's cells that had a reference (records of several sweeps)
+            refs = [r["reference_speedup"] for r in rs if r.get("reference_speedup") is not None]
+            line += f" {_ratio(sum(refs) / len(refs) if refs else None)} |"
         lines.append(line)
     return "\n".join(lines)
 

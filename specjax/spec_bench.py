@@ -22,7 +22,7 @@ times move with whatever else the machine runs):
    temperature above 0, as chains drawn from its marginals); each DFlash and EAGLE-1
    configuration runs once per ``--draft-vocabs`` entry (the whole vocabulary, or the
    drafter's Vd most frequent ids). For plain decoding and each drafter: τ (tokens per
-   verify cycle), decode seconds, speedup over plain decoding at the same precision (the lossless
+   verify cycle, the mean of the prompts' own τ), decode seconds, speedup over plain decoding at the same precision (the lossless
    comparison), speedup over the fastest plain decoding at any precision (what a user feels),
    efficiency = speedup / τ, acceptance by position, and the drafter's own time per cycle
    (its ``propose`` jitted alone). At temperature 0 outputs must match plain decoding token
@@ -360,8 +360,9 @@ def _set_report(block: dict, result: dict, temperature: float) -> list[str]:
     lines += ["", "verified nodes per cycle (the mean verify width, root included):",
               "  " + "  ".join(f"{r['name']}: {r['nodes_per_cycle']:.1f}"
                                for r in block["drafters"] if r.get("nodes_per_cycle"))]
-    lines += ["", "per prompt (or batch), tau and speedup over plain f32 (the totals above add up "
-              "times, so the prompt with the fewest accepted drafts weighs most):"]
+    lines += ["", "per prompt (or batch), tau and speedup over plain f32 (the tau above is the "
+              "mean of these; the totals above add up times, so the prompt with the fewest "
+              "accepted drafts weighs most):"]
     for r in block["drafters"]:
         if not r["name"].startswith("plain"):
             cells = [f"tau {c['tau']:.2f} {c['speedup']:.2f}x" for c in r["per_prompt"]]

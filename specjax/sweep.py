@@ -47,9 +47,10 @@ Record fields (the latency ones None with ``run(latency=False)``): ``method``,
 ``cost_aware``, ``set``, ``temperature``, ``batch``, ``context`` (None: the prompts as they
 are), ``requests``, ``prompt_tokens`` (mean), ``new_tokens`` (total), ``ttft_ms`` (p50),
 ``tpot_ms`` ({p50, p95, p99}), ``tok_s``, ``plain_tok_s``, ``speedup``, ``speedup_runs``
-(one per repeat; None for plain decoding), ``tau``,
+(one per repeat; None for plain decoding), ``tau`` (tokens per target pass: a gated
+cell's plain steps count as cycles that accepted nothing, :class:`specjax.decode.SpecStats`),
 ``reference_dtype``, ``reference_tok_s`` and ``reference_speedup`` (None without a reference),
-``acceptance`` (P(accepted >= k) for k = 1..D), ``drafted`` (fraction of cycles that drafted),
+``acceptance`` (P(accepted >= k) for k = 1..D, over the same cycles), ``drafted`` (fraction of cycles that drafted),
 ``verified`` (nodes per row and cycle), ``fallbacks``, ``split_ms`` ({draft, verify, other}
 per cycle of the whole batch), ``peak_mb``, ``same_as_plain`` (greedy cells: whether every
 row's tokens equal plain decoding's; None when sampled), ``divergence_gap`` (greedy cells that
@@ -100,8 +101,10 @@ def methods(model, names: Sequence[str], *, model_name: str, cost_aware: str = "
             ) -> list[Method]:
     """The :class:`Method` list of ``names`` (plain, ngram, draft-model, eagle3, eagle1,
     dflash, ddtree) for ``model`` (a :class:`specjax.io.models.LoadedModel`): each drafter at
-    every size given (its fixed budgets), and its cost-aware twin at the largest (whose
-    buckets include every smaller budget).
+    every size given (its fixed budgets), and its cost-aware twin at the largest (verified
+    at a plain step, the powers of two below its size and the whole proposal,
+    :func:`specjax.calibrate.budget_buckets`; a smaller fixed size is one of them only when
+    it is such a power of two).
 
     Args:
       model_name: the model's name, for the shipped EAGLE/DFlash drafters.

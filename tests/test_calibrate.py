@@ -99,6 +99,7 @@ def test_loop_cost_table_scales_the_largest_cycle_by_the_verify_curve(monkeypatc
 
     def loop(cfg, params, drafter, dparams, buckets, *, timed, progress, **kw):
         assert buckets == (0, 2, 8) and timed == (8,)
+        assert kw["gated"]  # 0.01 s of drafting is far above 5% of a 0.02 s one-node pass
         progress("cycle", 8, 0.1)
         progress("step", 0, 0.03)
         return {8: 0.1}, 0.03
@@ -127,8 +128,9 @@ def test_loop_cost_table_prices_a_given_verify_curve(monkeypatch):
 
     monkeypatch.setattr(calibrate, "measure_draft_cost", lambda *a, **k: 0.01)
     monkeypatch.setattr(calibrate, "measure_verify_costs", never)
+    gates = []
     monkeypatch.setattr(calibrate, "measure_loop_costs",
-                        lambda *a, **k: ({8: 0.1}, 0.03))
+                        lambda *a, **k: gates.append(k["gated"]) or ({8: 0.1}, 0.03))
     given = calibrate.VerifyCosts((1, 2, 4, 8), (0.01, 0.02, 0.03, 0.04), "float32", 24)
     seen = []
     table = calibrate.loop_cost_table(TINY, PARAMS, *DRAFTER, (0, 2, 8), batch=1, context=24,
@@ -136,6 +138,12 @@ def test_loop_cost_table_prices_a_given_verify_curve(monkeypatch):
                                       progress=lambda stage, n, s: seen.append((stage, n, s)))
     assert seen[1:] == [("verify", 2, 0.02), ("verify", 8, 0.04)]
     assert table.verify_s == pytest.approx((0.03, 0.05, 0.09))  # as from a measured curve
+    # Drafting under GATE_MIN_DRAFT of the one-node pass (0.01 s): the budget will not be
+    # gated, so neither is the loop timed for it.
+    monkeypatch.setattr(calibrate, "measure_draft_cost", lambda *a, **k: 1e-5)
+    calibrate.loop_cost_table(TINY, PARAMS, *DRAFTER, (0, 2, 8), batch=1, context=24, key={},
+                              verify_curve=lambda: given)
+    assert gates == [True, False]
     for other in (dataclasses.replace(given, context=32),
                   dataclasses.replace(given, nodes=(1, 2, 4, 16))):
         with pytest.raises(ValueError, match=r"does not price this table's buckets \[2, 8\]"):

@@ -229,7 +229,8 @@ def test_an_eagle1_draft_vocabulary_scores_its_ids_as_the_full_head_does():
     ctx = Context(jnp.asarray(seq), jnp.asarray(lengths) + 1,
                   sampling.SamplingParams.make(len(PROMPTS), 1.0, 0, 1.0))
     prefill = Prefill(jnp.asarray(tokens), jnp.asarray(lengths), taps, roots, 32)
-    for policy in (DynamicTree(n_nodes=16, depth=3, top_k=4), SampledChain(3)):
+    for policy in (StaticTree.chain(4), DynamicTree(n_nodes=16, depth=3, top_k=4),
+                   SampledChain(3)):
         drafter = EagleDrafter(E1, TGT, policy, vocab)
         state = drafter.init(dp_small, prefill)
         proposal, _ = drafter.propose(dp_small, state, ctx, jax.random.key(0))

@@ -112,6 +112,13 @@ def test_markdown_rows_and_the_summary_say_what_the_records_hold(tmp_path):
     summary = report.summary(refd).splitlines()
     assert summary[0].endswith("| mean τ | mean vs float32 plain |")
     assert summary[3].endswith("| 1.45 | 1.05x |")  # ngram k=4: 30 and 12 tok/s over 20
+    # Records of two sweeps, one without a reference: each mean over the cells that have one,
+    # "-" for a method with none.
+    other = _record(method="ngram k=8", set="chat", tok_s=20.0, speedup=0.8)
+    mixed = report.summary(refd[:2] + RECORDS[2:] + [other]).splitlines()
+    assert mixed[0].endswith("| mean vs float32 plain |")
+    assert mixed[2].endswith("| 1.25x |")  # plain: the code cell's 25 tok/s over 20
+    assert mixed[3].endswith("| 1.50x |") and mixed[4].endswith("| - |")
     report.write_jsonl(RECORDS, tmp_path / "r.jsonl")
     assert report.read_jsonl(tmp_path / "r.jsonl") == RECORDS
     report.plot(RECORDS, tmp_path / "r.png")
