@@ -351,10 +351,11 @@ def loop_cost_table(cfg: ModelConfig, params: dict, drafter, dparams, buckets: S
 
     The draft cost is one ``propose`` call timed alone (:func:`measure_draft_cost`, what
     deciding to draft at all is about). The largest bucket's cycle and the plain step are
-    timed in the loop (:func:`measure_loop_costs`, gated where the drafting costs more than
-    ``GATE_MIN_DRAFT`` of the verify curve's one-node pass, as the budget will be); a smaller bucket's cycle is that cycle
-    scaled by ``(T_verify(N) + draft) / (T_verify(N_max) + draft)``, the verify passes timed
-    in tight loops of passes, every point in each round (:func:`measure_verify_costs`).
+    timed in the loop (:func:`measure_loop_costs`, gated as the budget will be,
+    :func:`specjax.harness.drafting_gated` against the verify curve's one-node pass); a
+    smaller bucket's cycle is that cycle scaled by ``(T_verify(N) + draft) / (T_verify(N_max)
+    + draft)``, the verify passes timed in tight loops of passes, every point in each round
+    (:func:`measure_verify_costs`).
     Which bucket pays turns on cycles that differ by a few percent, less than the loop's own
     timings scatter between rounds on a busy machine; the verify curve measures those
     differences, the loop what a cycle costs in all. The verify cost of a bucket is the rest
@@ -394,8 +395,7 @@ def loop_cost_table(cfg: ModelConfig, params: dict, drafter, dparams, buckets: S
         for n in drafted:
             report("verify", n, curve.at(n))
     largest = drafted[-1]
-    # Gated as the table's budget will be: drafting dearer than a sliver of a plain step.
-    gated = draft > harness.GATE_MIN_DRAFT * curve.plain_step
+    gated = harness.drafting_gated(draft, curve.plain_step)  # as the table's budget will be
     cycles, step = measure_loop_costs(cfg, params, drafter, dparams, buckets, timed=(largest,),
                                       batch=batch, context=context, tokens=tokens,
                                       trials=trials, gated=gated, progress=report)

@@ -175,7 +175,7 @@ class Budget:
         if min(self.cycle_s) <= 0 or (self.step_s is not None and self.step_s <= 0):
             raise ValueError("cycle costs must be positive")
         object.__setattr__(self, "gated", bool(
-            self.step_s is not None and self.draft_s > GATE_MIN_DRAFT * self.step_s))
+            self.step_s is not None and drafting_gated(self.draft_s, self.step_s)))
 
     def advantage(self, k: jax.Array, tokens: jax.Array) -> jax.Array:
         """Plain steps a drafted cycle of bucket ``k`` gains: ``tokens - cycle_s[k] /
@@ -206,6 +206,12 @@ GATE_MIN_DRAFT = 0.05  # draft time, as a fraction of a plain step, below which 
 CAL_DECAY = 0.95  # weight of the older drafted cycles in the calibration's sums, per cycle
 CAL_PRIOR = 4.0  # drafts accepted and predicted before the first cycle (calibration 1)
 CAL_CLIP = 4.0  # the calibration stays within [1 / CAL_CLIP, CAL_CLIP]
+
+
+def drafting_gated(draft_s: float, step_s: float) -> bool:
+    """Whether a budget gates drafting that costs ``draft_s`` seconds against a plain step of
+    ``step_s`` (module docstring): where it costs more than ``GATE_MIN_DRAFT`` of the step."""
+    return draft_s > GATE_MIN_DRAFT * step_s
 
 
 @jax.tree_util.register_dataclass

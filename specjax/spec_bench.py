@@ -22,12 +22,12 @@ times move with whatever else the machine runs):
    temperature above 0, as chains drawn from its marginals); each DFlash and EAGLE-1
    configuration runs once per ``--draft-vocabs`` entry (the whole vocabulary, or the
    drafter's Vd most frequent ids). For plain decoding and each drafter: τ (tokens per
-   verify cycle, the mean of the prompts' own τ), decode seconds, speedup over plain decoding at the same precision (the lossless
-   comparison), speedup over the fastest plain decoding at any precision (what a user feels),
-   efficiency = speedup / τ, acceptance by position, and the drafter's own time per cycle
-   (its ``propose`` jitted alone). At temperature 0 outputs must match plain decoding token
-   for token; mismatches are printed. ``--temperature`` and ``--batch`` set the sampling and
-   the prompts per call.
+   verify cycle, the mean of the prompts' own τ), decode seconds, speedup over plain
+   decoding at the same precision (the lossless comparison), speedup over the fastest plain
+   decoding at any precision (what a user feels), efficiency = speedup / τ, acceptance by
+   position, and the drafter's own time per cycle (its ``propose`` jitted alone). At
+   temperature 0 outputs must match plain decoding token for token; mismatches are printed.
+   ``--temperature`` and ``--batch`` set the sampling and the prompts per call.
 
 Timing protocol: every configuration is compiled and warmed up first; then ``--repeats``
 rounds run every prompt through every configuration in turn, keeping each configuration's

@@ -50,12 +50,13 @@ are), ``requests``, ``prompt_tokens`` (mean), ``new_tokens`` (total), ``ttft_ms`
 (one per repeat; None for plain decoding), ``tau`` (tokens per target pass: a gated
 cell's plain steps count as cycles that accepted nothing, :class:`specjax.decode.SpecStats`),
 ``reference_dtype``, ``reference_tok_s`` and ``reference_speedup`` (None without a reference),
-``acceptance`` (P(accepted >= k) for k = 1..D, over the same cycles), ``drafted`` (fraction of cycles that drafted),
-``verified`` (nodes per row and cycle), ``fallbacks``, ``split_ms`` ({draft, verify, other}
-per cycle of the whole batch), ``peak_mb``, ``same_as_plain`` (greedy cells: whether every
-row's tokens equal plain decoding's; None when sampled), ``divergence_gap`` (greedy cells that
-part from plain decoding: the largest top-2 logit gap at a row's first differing token,
-:func:`specjax.api.divergence`; a near-tie when small, else None).
+``acceptance`` (P(accepted >= k) for k = 1..D, over the same cycles), ``drafted`` (fraction
+of cycles that drafted), ``verified`` (nodes per row and cycle), ``fallbacks``, ``split_ms``
+({draft, verify, other} per cycle of the whole batch), ``peak_mb``, ``same_as_plain``
+(greedy cells: whether every row's tokens equal plain decoding's; None when sampled),
+``divergence_gap`` (greedy cells that part from plain decoding: the largest top-2 logit gap
+at a row's first differing token, :func:`specjax.api.divergence`; a near-tie when small,
+else None).
 """
 
 from __future__ import annotations
