@@ -617,12 +617,18 @@ def speculative_generate(
         if is_gated:
             # The batch's means over its running rows (the others expect one token, the root):
             # the drafts the raw confidences predicted for the bucket verified, those accepted,
-            # and the calibrated expected tokens (harness module docstring).
+            # and the expected tokens under the calibration that has seen this cycle's
+            # acceptance (harness module docstring).
             rows = jnp.maximum(jnp.sum(running), 1)
             raw = harness.expected_tokens(conf, budget.buckets)[:, k]
-            gate = gate.observe(jnp.sum(raw - 1.0) / rows, jnp.sum(n_acc) / rows).update(
-                budget.advantage(k, 1.0 + jnp.sum(expected[:, k] - 1.0) / rows),
-                jnp.any(running))
+
+            def advantage(calibration):
+                """The cycle's advantage in plain steps, its drafts priced at ``calibration``."""
+                tokens = harness.expected_tokens(conf, budget.buckets, calibration)[:, k]
+                return budget.advantage(k, 1.0 + jnp.sum(tokens - 1.0) / rows)
+
+            gate = gate.after_drafted(jnp.sum(raw - 1.0) / rows, jnp.sum(n_acc) / rows,
+                                      advantage, jnp.any(running))
         return SpecState(seq=seq, seq_len=seq_len, n_generated=n_generated, done=done,
                          stopped=s.stopped | hit, cache=cache, dstate=dstate, rng=s.rng,
                          cycle=s.cycle + 1, stats=stats, gate=gate, catch=s.catch)

@@ -43,7 +43,10 @@ runs plain steps without drafting (an inner loop of plain decoding steps that wr
 in place, as fast as plain decoding's; the drafter catches up through its ``catch_up``, the
 target's taps of up to ``CATCH_UP`` steps at once, or else through ``skip`` and ``commit``
 after every step). A run of plain steps ends in a probe, one drafted cycle whose advantage
-replaces the average; a successful probe resumes drafting. A probe verifies the best drafted
+replaces the average; a successful probe resumes drafting. Every drafted cycle's advantage,
+a probe's included, is priced with the calibration after that cycle's own acceptance is
+observed (:meth:`Gate.after_drafted`), so a probe whose drafts are accepted can reopen a gate
+that a streak of rejections shut. A probe verifies the best drafted
 bucket (never bucket 0, which would observe nothing and always fail), so a calibration that a
 streak of rejections pushed low meets the drafter's acceptance again. A failure that loses
 ``-a`` plain steps starts a run long enough that the loss is at most ``GATE_PROBE_SHARE`` of
@@ -255,6 +258,23 @@ class Gate:
         sums, decayed by ``CAL_DECAY``."""
         return dataclasses.replace(self, accepted=CAL_DECAY * self.accepted + accepted,
                                    predicted=CAL_DECAY * self.predicted + predicted)
+
+    def after_drafted(self, predicted: jax.Array, accepted: jax.Array, advantage,
+                      ran: jax.Array) -> Gate:
+        """The gate after a drafted cycle: the calibration observes ``predicted`` and
+        ``accepted`` (:meth:`observe`), then the cycle's verdict (:meth:`update`) takes
+        ``advantage(calibration)``, its advantage priced with that updated calibration. A
+        probe after a streak of rejections is then judged with its own acceptance counted,
+        not by the streak's calibration alone.
+
+        Args:
+          predicted, accepted: the batch's means (:meth:`observe`).
+          advantage: callable from a float32 scalar calibration to the cycle's advantage in
+            plain steps (:meth:`Budget.advantage` of its calibrated expected tokens).
+          ran: scalar bool, whether any row was running.
+        """
+        seen = self.observe(predicted, accepted)
+        return seen.update(advantage(seen.calibration), ran)
 
     @property
     def drafts(self) -> jax.Array:

@@ -268,6 +268,41 @@ def test_a_probe_verifies_a_drafted_bucket_however_low_the_calibration():
     assert int(st.verified[0]) - int(st.cycles[0]) >= 3, (st.verified, st.cycles, st.drafted)
 
 
+def test_a_probe_is_judged_with_its_own_acceptance_counted():
+    """A probe's verdict prices its drafts with the calibration after observing them. From a
+    calibration of 1/4 (1 accepted of 4 predicted), a probe of 3 drafts at confidence 1/2,
+    all accepted, moves it to (0.95 + 3) / (0.95 * 4 + 1.5) = 0.745: 1 + 3 * 0.373 = 2.12
+    tokens for a cycle of 2 plain steps, a gain; priced at 1/4 (1.375 tokens) it would lose
+    0.625 steps and shut the gate for 32 steps."""
+    budget = harness.Budget((0, 4), (1.1, 2.0), step_s=1.0, draft_s=0.1)
+    low = dataclasses.replace(harness.Gate.start(), accepted=jnp.float32(1.0),
+                              predicted=jnp.float32(4.0))
+    seen = low.after_drafted(jnp.float32(1.5), jnp.float32(3.0),
+                             lambda c: budget.advantage(
+                                 1, harness.expected_tokens(jnp.full((1, 3), 0.5), (0, 4),
+                                                            c)[0, 1]), jnp.bool_(True))
+    np.testing.assert_allclose(float(seen.calibration), 3.95 / 5.3, rtol=1e-6)
+    np.testing.assert_allclose(float(seen.advantage), 1 + 3 * 0.5 * 3.95 / 5.3 - 2.0,
+                               rtol=1e-5)
+    assert bool(seen.drafts) and not bool(seen.probing)
+
+    # In the loop: the whole target drafts (every draft accepted) at confidence 1/2.
+    class Sure(DraftModelDrafter):
+        def propose(self, *args):
+            proposal, state = super().propose(*args)
+            conf = jnp.where(jnp.arange(proposal.tokens.shape[1]) == 0, 1.0, 0.5)
+            return dataclasses.replace(proposal, confidence=jnp.broadcast_to(
+                conf, proposal.tokens.shape)), state
+
+    drafter = Sure(TINY, 3)
+    got = api.generate_tokens(TINY, PARAMS, PROMPTS[:1], max_new_tokens=12, drafter=drafter,
+                              drafter_params=PARAMS, budget=budget, gate=low)
+    st = got.stats
+    assert got.tokens == api.generate_tokens(TINY, PARAMS, PROMPTS[:1], max_new_tokens=12).tokens
+    assert int(st.accepted[0]) == 3 * int(st.drafted[0])
+    assert int(st.drafted[0]) == int(st.cycles[0]) >= 2, (st.drafted, st.cycles)
+
+
 def test_a_table_gates_only_a_drafter_that_costs_time():
     assert TABLE.budget().gated  # 20 ms of drafting against a 50 ms plain step
     cheap = harness.CostTable((0, 4), (0.05, 0.1), (0.0, 0.001))
