@@ -624,8 +624,8 @@ def speculative_generate(
 
             def advantage(calibration):
                 """The cycle's advantage in plain steps, its drafts priced at ``calibration``."""
-                tokens = harness.expected_tokens(conf, budget.buckets, calibration)[:, k]
-                return budget.advantage(k, 1.0 + jnp.sum(tokens - 1.0) / rows)
+                priced = harness.expected_tokens(conf, budget.buckets, calibration)[:, k]
+                return budget.advantage(k, 1.0 + jnp.sum(priced - 1.0) / rows)
 
             gate = gate.after_drafted(jnp.sum(raw - 1.0) / rows, jnp.sum(n_acc) / rows,
                                       advantage, jnp.any(running))

@@ -37,28 +37,27 @@ of a drafted cycle, in plain steps, is
 from the calibrated confidences (a cycle's accepted count is 0 or a few, so at batch 1 its
 advantage swings by a plain step or more from cycle to cycle around a mean a small fraction of
 that: a gate fed the realized counts closes on a streak of rejections where drafting pays; the
-realized counts enter through the calibration, over many cycles). Its running mean (an
-exponential average, weight ``GATE_ALPHA``) is kept, and while it is not positive the loop
-runs plain steps without drafting (an inner loop of plain decoding steps that write the cache
-in place, as fast as plain decoding's; the drafter catches up through its ``catch_up``, the
-target's taps of up to ``CATCH_UP`` steps at once, or else through ``skip`` and ``commit``
-after every step). A run of plain steps ends in a probe, one drafted cycle whose advantage
-replaces the average; a successful probe resumes drafting. Every drafted cycle's advantage,
-a probe's included, is priced with the calibration after that cycle's own acceptance is
-observed (:meth:`Gate.after_drafted`), so a probe whose drafts are accepted can reopen a gate
-that a streak of rejections shut. A probe verifies the best drafted
-bucket (never bucket 0, which would observe nothing and always fail), so a calibration that a
-streak of rejections pushed low meets the drafter's acceptance again. A failure that loses
-``-a`` plain steps starts a run long enough that the loss is at most ``GATE_PROBE_SHARE`` of
-it (``-a / GATE_PROBE_SHARE`` steps) and at least twice the previous run, up to
-``GATE_MAX_SKIP`` steps: a drafter that never pays costs its probes' losses over runs of
-up to ``GATE_MAX_SKIP`` steps (a few percent when a probe loses a few plain steps, more when
-it loses more than ``GATE_PROBE_SHARE * GATE_MAX_SKIP``), and one that nearly breaks even is
-probed often. The gate's state (calibration included) is returned with
-the generation and may start the next request (``gate=``), which then finishes the run of
-plain steps it is in before drafting again. A drafter whose draft time is negligible (under
-``GATE_MIN_DRAFT`` of a plain step: prompt lookup) is never gated, so a match is never
-missed.
+realized counts enter through the calibration, over many cycles, the cycle's own among them).
+Its running mean (an exponential average, weight ``GATE_ALPHA``) is kept, and while it is not
+positive the loop runs plain steps without drafting (an inner loop of plain decoding steps that
+write the cache in place, as fast as plain decoding's; the drafter catches up through its
+``catch_up``, the target's taps of up to ``CATCH_UP`` steps at once, or else through ``skip``
+and ``commit`` after every step). A run of plain steps ends in a probe, one drafted cycle whose
+advantage replaces the average; a successful probe resumes drafting. Every drafted cycle's
+advantage, a probe's included, is priced with the calibration after that cycle's own acceptance
+is observed (:meth:`Gate.after_drafted`): what a probe accepted counts toward its own verdict,
+though after a long streak of rejections one accepted probe moves the decayed sums only part of
+the way. A probe verifies the best drafted bucket (never bucket 0, which would observe nothing
+and always fail), so a calibration that a streak of rejections pushed low meets the drafter's
+acceptance again. A failure that loses ``-a`` plain steps starts a run long enough that the loss
+is at most ``GATE_PROBE_SHARE`` of it (``-a / GATE_PROBE_SHARE`` steps) and at least twice the
+previous run, up to ``GATE_MAX_SKIP`` steps: a drafter that never pays costs its probes' losses
+over runs of up to ``GATE_MAX_SKIP`` steps (a few percent when a probe loses a few plain steps,
+more when it loses more than ``GATE_PROBE_SHARE * GATE_MAX_SKIP``), and one that nearly breaks
+even is probed often. The gate's state (calibration included) is returned with the generation
+and may start the next request (``gate=``), which then finishes the run of plain steps it is in
+before drafting again. A drafter whose draft time is negligible (under ``GATE_MIN_DRAFT`` of a
+plain step: prompt lookup) is never gated, so a match is never missed.
 
 Costs are measured (``specjax calibrate``) into a :class:`CostTable` JSON, reused while the
 machine, model, dtype, batch, context, drafter and measuring method stay the same; its
