@@ -48,6 +48,7 @@ import numpy as np
 from specjax import sampling
 from specjax.config import ModelConfig
 from specjax.io import gguf
+from specjax.kernels import cpu_gemm
 from specjax.models import cache as cache_lib
 from specjax.models import target
 from specjax.tree import StaticTree
@@ -426,15 +427,15 @@ def measure_cost_table(cfg: ModelConfig, params: dict, buckets: Sequence[int], *
     Args:
       buckets: budgets N (0 = a plain step).
       batch, context: rows per pass and committed tokens, as the generation will run.
-      key: what the table is for (model, method, ...); the device kind and dtype, batch,
-        context and method version are added.
+      key: what the table is for (model, method, ...); the machine (:func:`machine_key`),
+        dtype, batch, context and method version are added.
       progress: optional callable ``(stage, n, seconds)`` after each measurement.
     """
     from specjax import harness
 
     buckets = tuple(sorted(set(int(n) for n in buckets)))
-    full_key = dict(key or {}, device=jax.devices()[0].device_kind, dtype=cfg.dtype,
-                    batch=batch, context=context, method_version=METHOD_VERSION)
+    full_key = dict(key or {}, **machine_key(), dtype=cfg.dtype, batch=batch, context=context,
+                    method_version=METHOD_VERSION)
     report = progress or (lambda *a: None)
     costs = measure_verify_costs(cfg, params, sorted({1, *(n for n in buckets if n)}),
                                  context=context, batch=batch,
@@ -456,15 +457,22 @@ def cost_context(prompt_tokens: int, max_new_tokens: int) -> int:
     return max(256, 1 << (need - 1).bit_length())
 
 
+def machine_key() -> dict:
+    """What a measured cost depends on beyond the model and its options: the device kind, and
+    whether the CPU kernel multiplies a pass's few rows (:mod:`specjax.kernels.cpu_gemm`;
+    ``SPECJAX_CPU_GEMM=0`` turns it off)."""
+    return dict(device=jax.devices()[0].device_kind, cpu_gemm=cpu_gemm.available())
+
+
 def drafter_table_key(cfg: ModelConfig, drafter, *, batch: int, context: int,
                       key: dict) -> dict:
     """The full key of ``drafter``'s cost table (:func:`drafter_cost_table`): ``key`` (the
-    model name, method and drafter shape) with the device kind, dtype, batch, context,
-    buckets and method version added. The temperature is not part of it: the table is
-    measured greedy and prices sampled cycles too, whose acceptance sampling it leaves out."""
-    return dict(key, device=jax.devices()[0].device_kind, dtype=cfg.dtype, batch=batch,
-                context=context, buckets=list(budget_buckets(drafter.n_nodes)),
-                method_version=METHOD_VERSION)
+    model name, method and drafter shape) with the machine (:func:`machine_key`), dtype,
+    batch, context, buckets and method version added. The temperature is not part of it: the
+    table is measured greedy and prices sampled cycles too, whose acceptance sampling it leaves
+    out."""
+    return dict(key, **machine_key(), dtype=cfg.dtype, batch=batch, context=context,
+                buckets=list(budget_buckets(drafter.n_nodes)), method_version=METHOD_VERSION)
 
 
 def drafter_cost_table(cfg: ModelConfig, params: dict, drafter, dparams, *, batch: int,
@@ -537,16 +545,15 @@ def cached_verify_costs(cfg: ModelConfig, params: dict, nodes: Sequence[int], *,
     :func:`drafter_cost_table`).
 
     Args:
-      key: what the curve is for beyond the machine (the model's name); the device kind,
-        dtype, batch, context, nodes and method version are added.
+      key: what the curve is for beyond the machine (the model's name); the machine
+        (:func:`machine_key`), dtype, batch, context, nodes and method version are added.
       progress: passed to :func:`measure_verify_costs` (never called for a curve read back).
     Returns:
       ``(curve, measured)``: the :class:`VerifyCosts` and whether it was measured now.
     """
     nodes = sorted(set(int(n) for n in nodes))
-    full_key = dict(key, measurement="verify curve", device=jax.devices()[0].device_kind,
-                    dtype=cfg.dtype, batch=batch, context=context, nodes=nodes,
-                    method_version=METHOD_VERSION)
+    full_key = dict(key, measurement="verify curve", **machine_key(), dtype=cfg.dtype,
+                    batch=batch, context=context, nodes=nodes, method_version=METHOD_VERSION)
     path = _cache_file(full_key)
     try:
         raw = json.loads(path.read_text())

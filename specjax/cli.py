@@ -261,8 +261,8 @@ def _calibrate(args) -> int:
     key = dict(model=args.model, method=args.method)
     if out.exists() and not args.force:
         table = harness.CostTable.from_json(out.read_text())
-        now = dict(key, dtype=args.dtype, batch=args.batch, context=args.context,
-                   device=jax.devices()[0].device_kind, method_version=calibrate.METHOD_VERSION)
+        now = dict(key, **calibrate.machine_key(), dtype=args.dtype, batch=args.batch,
+                   context=args.context, method_version=calibrate.METHOD_VERSION)
         if table.matches(now) and list(table.buckets) == buckets:
             print(f"{out} already holds this table (--force to measure again)", file=sys.stderr)
             print(format_cost_table(table))

@@ -12,6 +12,7 @@ import pytest
 
 from specjax.config import ModelConfig
 from specjax.io.layout import with_row_weights, with_tied_head, without_row_weights
+from specjax.kernels import cpu_gemm
 from specjax.models import cache as cache_lib
 from specjax.models import target
 from specjax.targets import DecoderTarget
@@ -208,19 +209,23 @@ def test_taps_validate_layer_ids():
 
 
 @pytest.mark.parametrize("tie", [True, False], ids=["tied-head", "untied-head"])
-def test_row_weights_change_one_row_passes_only_by_summation_order(tie):
-    """One-row passes use the [out, in] copies (close to the [in, out] product, not equal);
-    passes of several rows never touch them (bitwise equal); check_params accepts them."""
+def test_row_weights_change_passes_only_by_summation_order(tie):
+    """One-row passes use the [out, in] copies, and so do float32 passes of 2-64 rows on the
+    CPU kernel (close to the [in, out] product, not equal); passes of more rows never touch
+    them (bitwise equal); check_params accepts them."""
     cfg = TINY.replace(tie_embeddings=tie)
     params = target.init_params(cfg, 0, scale=0.3)
     rows = with_row_weights(params)
     check_params(rows, cfg)
     assert ("lm_head_t" in rows) == (not tie)
     assert jax.tree.structure(without_row_weights(rows)) == jax.tree.structure(params)
-    tokens = jax.random.randint(jax.random.key(2), (2, 5), 0, cfg.vocab_size)
-    cache = cache_lib.init_cache(cfg, 2, 8)
-    several = [forward(p, cfg, tokens, _positions(2, 5), cache)[0] for p in (params, rows)]
-    np.testing.assert_array_equal(several[0], several[1])
+    tokens = jax.random.randint(jax.random.key(2), (2, 40), 0, cfg.vocab_size)
+    cache = cache_lib.init_cache(cfg, 2, 48)
+    many = [forward(p, cfg, tokens, _positions(2, 40), cache)[0] for p in (params, rows)]
+    np.testing.assert_array_equal(many[0], many[1])  # 80 rows: XLA's [in, out] product
+    few = [forward(p, cfg, tokens[:, :5], _positions(2, 5), cache)[0] for p in (params, rows)]
+    np.testing.assert_allclose(few[0], few[1], atol=1e-5, rtol=0)
+    assert not cpu_gemm.available() or not np.array_equal(few[0], few[1])
     one = [forward(p, cfg, tokens[:1, :1], _positions(1, 1), cache_lib.init_cache(cfg, 1, 8))[0]
            for p in (params, rows)]
     np.testing.assert_allclose(one[0], one[1], atol=1e-5, rtol=0)

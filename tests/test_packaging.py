@@ -29,6 +29,7 @@ def test_wheel_maps_kernels_under_specjax(wheel):
     names = zipfile.ZipFile(wheel).namelist()
     assert "specjax/kernels/__init__.py" in names
     assert "specjax/kernels/attention.py" in names
+    assert "specjax/kernels/cpu_gemm.cc" in names  # compiled on first use
     assert not [n for n in names if n.startswith("kernels/")]
 
 

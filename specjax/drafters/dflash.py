@@ -579,7 +579,7 @@ class DFlashDrafter:
         head = vocab_lib.checked_head(params, self.vocab, "dflash")
         if head is None:
             return self.target.lm_head(params["target"], out[:, 1:])
-        return layers.matmul(out[:, 1:], head["rows"], "...d,vd->...v")
+        return layers.matmul_nt(out[:, 1:], head["rows"])
 
     def skip(self, params, state: DFlashState, ctx: Context) -> DFlashState:
         """Nothing to catch up: ``commit`` injects every committed position, drafted or not."""

@@ -572,7 +572,7 @@ class EagleDrafter:
         head = self._head(params)
         if head is None:
             return draft_logits(self.cfg, self.target, params, out)
-        return layers.matmul(out, head["rows"], "...d,vd->...v")
+        return layers.matmul_nt(out, head["rows"])
 
     def _ids(self, params, draft_ids: jax.Array) -> jax.Array:
         """Draft-vocabulary ids -> target ids."""

@@ -20,7 +20,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.config import ModelConfig
+from specjax.kernels import cpu_gemm
 from specjax.models import attention as attention_lib
+
+# Row counts whose float32 products by a weight stored [out, in] run on the CPU kernel
+# (:mod:`specjax.kernels.cpu_gemm`): a verify pass's nodes or a drafted block, times the batch.
+# One row stays on XLA's matrix-vector product, which streams the weights faster still; past
+# 64 rows XLA's matrix product catches up (both ~140 ms for SmolLM2-135M's decoder and head).
+KERNEL_ROWS = (2, 64)
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -93,20 +100,43 @@ def matmul(x: jax.Array, w: jax.Array, spec: str) -> jax.Array:
     return jnp.einsum(spec, x, w, preferred_element_type=jnp.float32)
 
 
+def matmul_nt(x: jax.Array, w: jax.Array) -> jax.Array:
+    """``x`` [..., in] times ``w`` [out, in] over its trailing axis: [..., out] float32.
+
+    Float32 products of 2 to 64 rows (:data:`KERNEL_ROWS`) run on the CPU kernel
+    (:func:`specjax.kernels.cpu_gemm.gemm_nt`; XLA's product on other backends or where the
+    kernel is unavailable); everything else is :func:`matmul`.
+    """
+    if kernel_takes(x, w):
+        rows = int(np.prod(x.shape[:-1]))
+        return cpu_gemm.gemm_nt(x.reshape(rows, x.shape[-1]), w).reshape(*x.shape[:-1], -1)
+    return matmul(x, w, "...i,oi->...o")
+
+
+def kernel_takes(x: jax.Array, w: jax.Array) -> bool:
+    """Whether :func:`matmul_nt` multiplies ``x`` [..., in] by ``w`` [out, in] on the CPU
+    kernel: both float32, 2 to 64 rows (:data:`KERNEL_ROWS`), the kernel available."""
+    lo, hi = KERNEL_ROWS
+    return (lo <= int(np.prod(x.shape[:-1])) <= hi and x.dtype == jnp.float32
+            and w.dtype == jnp.float32 and cpu_gemm.available())
+
+
 def linear(x: jax.Array, p: dict, key: str) -> jax.Array:
     """x [B, T, in] times p[key] [in, *out] over its leading axis, accumulated in float32:
     [B, T, *out] in ``x.dtype`` (:func:`matmul`).
 
-    A single row (``B * T == 1``) multiplies by the one-row copy ``p[key + "_t"]`` [*out, in]
-    over its trailing axis when the params carry one (:mod:`specjax.io.layout`): XLA:CPU
-    streams those faster in a matrix-vector product.
+    Where the params carry the copy ``p[key + "_t"]`` [*out, in] (:mod:`specjax.io.layout`),
+    a single row multiplies by it (XLA:CPU streams that layout faster in a matrix-vector
+    product), and so do the float32 passes of a few rows that the CPU kernel takes
+    (:func:`matmul_nt`).
     """
-    if x.shape[0] * x.shape[1] == 1 and f"{key}_t" in p:
-        w = p[f"{key}_t"]
-        # As a 2-D [out, in] matrix (merging its leading axes is free): XLA:CPU transposed a
-        # copy of the whole weight on every call when it had several out axes.
-        y = matmul(x, w.reshape(-1, w.shape[-1]), "bti,oi->bto")
-        return y.reshape(*x.shape[:2], *w.shape[:-1]).astype(x.dtype)
+    w_t = p.get(f"{key}_t")
+    # As a 2-D [out, in] matrix (merging its leading axes is free): XLA:CPU transposed a copy
+    # of the whole weight on every call when it had several out axes.
+    w2 = None if w_t is None else w_t.reshape(-1, w_t.shape[-1])
+    if w2 is not None and (x.shape[0] * x.shape[1] == 1 or kernel_takes(x, w2)):
+        y = matmul_nt(x, w2)
+        return y.reshape(*x.shape[:2], *w_t.shape[:-1]).astype(x.dtype)
     return matmul(x, p[key], "bti,i...->bt...").astype(x.dtype)
 
 

@@ -26,11 +26,14 @@ are fused into one matrix each, so a decode step issues fewer, larger matrix pro
 ``"w_down_t"`` (and the params an untied ``"lm_head_t"``): the same arrays, input axis
 moved last. A pass with exactly one query row (``B * T == 1``, a plain decoding step) then
 multiplies by those: XLA:CPU's matrix-vector product streams ``[out, in]`` weights faster
-than ``[in, out]`` ones, while with two or more rows ``[in, out]`` is faster (measured
-side by side, see the README's performance notes). :func:`specjax.io.layout.with_row_weights`
-adds them (``specjax.io.load`` does for float32 on CPU); the result differs from the
-``[in, out]`` product only by summation order. Tied params may likewise hold ``"tied_head"``
-[D, V], the embedding table transposed, for passes of several rows (:func:`lm_head`).
+than ``[in, out]`` ones, while with two or more rows XLA's product is faster on ``[in, out]``
+(measured side by side, see the README's performance notes). Float32 passes of 2 to 64 rows
+(a verify pass, a drafted block) multiply by the copies too, on the CPU kernel
+(:func:`specjax.models.layers.matmul_nt`), which reads each weight once for all rows.
+:func:`specjax.io.layout.with_row_weights` adds them (``specjax.io.load`` does for float32 on
+CPU); the result differs from the ``[in, out]`` product only by summation order. Tied params
+may likewise hold ``"tied_head"`` [D, V], the embedding table transposed, for passes of
+several rows (:func:`lm_head`).
 
 **Masks.** Every call writes its T new tokens at slots ``[lengths, lengths + T)`` of each row's
 cache. A query sees (a) all committed slots ``< lengths[b]`` and (b) among the new tokens, those
@@ -208,16 +211,20 @@ def lm_head(params: dict, cfg: ModelConfig, hidden: jax.Array) -> jax.Array:
 
     A tied head multiplies by ``embed`` [V, D], or by its copy ``tied_head`` [D, V] where the
     params hold one (:func:`specjax.io.layout.with_tied_head`), except for a single float32
-    row (a single bfloat16 row runs as two, :func:`specjax.models.layers.matmul`); an untied
-    one by ``lm_head`` [D, V], or by its one-row copy ``lm_head_t`` [V, D] for a single row.
+    row (a single bfloat16 row runs as two, :func:`specjax.models.layers.matmul`) and the
+    rows the CPU kernel takes (:func:`specjax.models.layers.kernel_takes`); an untied one by
+    ``lm_head`` [D, V], or by its one-row copy ``lm_head_t`` [V, D] for a single row and the
+    rows the kernel takes.
     """
+    one_row = np.prod(hidden.shape[:-1]) == 1
     if cfg.tie_embeddings:
-        one_f32_row = np.prod(hidden.shape[:-1]) == 1 and hidden.dtype != jnp.bfloat16
-        if "tied_head" in params and not one_f32_row:
+        embed = params["embed"]
+        if ("tied_head" in params and not (one_row and hidden.dtype != jnp.bfloat16)
+                and not layers.kernel_takes(hidden, embed)):
             return layers.matmul(hidden, params["tied_head"], "...d,dv->...v")
-        return layers.matmul(hidden, params["embed"], "...d,vd->...v")
-    if np.prod(hidden.shape[:-1]) == 1 and "lm_head_t" in params:
-        return layers.matmul(hidden, params["lm_head_t"], "...d,vd->...v")
+        return layers.matmul_nt(hidden, embed)
+    if "lm_head_t" in params and (one_row or layers.kernel_takes(hidden, params["lm_head_t"])):
+        return layers.matmul_nt(hidden, params["lm_head_t"])
     return layers.matmul(hidden, params["lm_head"], "...d,dv->...v")
 
 

@@ -1,0 +1,118 @@
+"""The CPU matrix-product kernel (specjax.kernels.cpu_gemm) against its reference: values within
+float32's error bound on shapes with every kind of remainder, each row independent of the rows
+beside it (bitwise), gradients, which products the model layers send to it, and the switch."""
+
+from __future__ import annotations
+
+import os
+import platform
+import shutil
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from specjax.kernels import cpu_gemm
+from specjax.models import layers
+
+# Where the kernel can run it must: a silent fallback would leave it untested.
+CAN_BUILD = (platform.system() == "Linux" and platform.machine() == "x86_64"
+             and {"avx2", "fma"} <= cpu_gemm._cpu_flags() and shutil.which("g++") is not None
+             and os.environ.get("SPECJAX_CPU_GEMM", "1") != "0")
+needs_kernel = pytest.mark.skipif(not CAN_BUILD, reason="no x86-64 CPU with AVX2/FMA and g++")
+
+
+def _operands(m, k, n, seed=0):
+    rng = np.random.default_rng(seed)
+    return (rng.standard_normal((m, k)).astype(np.float32),
+            rng.standard_normal((n, k)).astype(np.float32))
+
+
+def test_the_kernel_is_built_where_it_can_run():
+    assert cpu_gemm.available() == CAN_BUILD
+
+
+# Rows: one, a partial row tile, several tiles plus each remainder; K: multiples of 8 and not;
+# N: partial column tiles, partial and several work chunks of 48 rows.
+@pytest.mark.parametrize("m,k,n", [(1, 8, 4), (2, 13, 5), (3, 576, 49), (4, 7, 97), (5, 64, 48),
+                                   (16, 1536, 100), (37, 40, 3), (64, 576, 960), (70, 9, 130)])
+def test_values_within_the_float32_error_bound(m, k, n):
+    """|y - x w^T| <= K u (|x| |w|^T), u = 2^-24 per operation: the bound of any float32 sum of
+    K products, whatever its order."""
+    x, w = _operands(m, k, n)
+    y = np.asarray(jax.jit(cpu_gemm.gemm_nt)(x, w), np.float64)
+    exact = x.astype(np.float64) @ w.astype(np.float64).T
+    bound = k * 2.0**-24 * (np.abs(x).astype(np.float64) @ np.abs(w).astype(np.float64).T)
+    assert y.shape == (m, n)
+    assert np.all(np.abs(y - exact) <= bound)
+
+
+@needs_kernel
+def test_each_row_is_independent_of_the_rows_beside_it():
+    """Row i of an M-row product equals the one-row product of row i, and the same row placed
+    anywhere in products of other sizes, bit for bit (the kernel fixes every element's order)."""
+    x, w = _operands(23, 200, 101, seed=1)
+    f = jax.jit(cpu_gemm.gemm_nt)
+    full = np.asarray(f(x, w))
+    for i in (0, 5, 22):
+        np.testing.assert_array_equal(np.asarray(f(x[i:i + 1], w))[0], full[i])
+        moved = np.concatenate([x[i:i + 1], x[:2]])  # row i first in a 3-row product
+        np.testing.assert_array_equal(np.asarray(f(moved, w))[0], full[i])
+
+
+def test_gradients_are_the_references():
+    x, w = _operands(6, 24, 10, seed=2)
+    loss = lambda fn: lambda x, w: jnp.sum(jnp.sin(fn(x, w)))  # noqa: E731
+    got = jax.grad(loss(cpu_gemm.gemm_nt), argnums=(0, 1))(x, w)
+    want = jax.grad(loss(cpu_gemm.gemm_nt_reference), argnums=(0, 1))(x, w)
+    for g, r in zip(got, want):
+        np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-4)
+
+
+def test_runs_under_vmap_and_inside_a_while_loop():
+    x, w = _operands(4, 16, 9, seed=3)
+
+    def loop(x):
+        return jax.lax.fori_loop(0, 3, lambda _, h: jnp.tanh(cpu_gemm.gemm_nt(h, w) @ w), x)
+
+    ref = jax.lax.fori_loop(0, 3, lambda _, h: jnp.tanh(cpu_gemm.gemm_nt_reference(h, w) @ w), x)
+    np.testing.assert_allclose(jax.jit(loop)(x), ref, rtol=1e-5, atol=1e-5)
+    batched = jax.vmap(cpu_gemm.gemm_nt, in_axes=(0, None))(np.stack([x, 2 * x]), w)
+    np.testing.assert_allclose(batched[1], 2 * np.asarray(batched[0]), rtol=1e-6, atol=1e-5)
+
+
+def test_bad_operands_are_refused_clearly():
+    x, w = _operands(2, 8, 3)
+    with pytest.raises(ValueError, match=r"x \[M, K\] and w \[N, K\]"):
+        cpu_gemm.gemm_nt(x, w[:, :7])
+    with pytest.raises(ValueError, match="float32"):
+        cpu_gemm.gemm_nt(x.astype(jnp.bfloat16), w)
+
+
+def _kernel_calls(fn, *args) -> int:
+    return jax.jit(fn).lower(*args).as_text().count(cpu_gemm.TARGET)
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows,dtype,calls", [(1, jnp.float32, 0), (2, jnp.float32, 1),
+                                             (64, jnp.float32, 1), (65, jnp.float32, 0),
+                                             (4, jnp.bfloat16, 0)])
+def test_matmul_nt_sends_float32_products_of_2_to_64_rows_to_the_kernel(rows, dtype, calls):
+    x = jnp.ones((rows, 8), dtype)
+    w = jnp.ones((5, 8), dtype)
+    assert _kernel_calls(layers.matmul_nt, x, w) == calls
+    np.testing.assert_allclose(layers.matmul_nt(x, w), jnp.full((rows, 5), 8.0))
+
+
+def test_the_switch_turns_the_kernel_off():
+    code = ("from specjax.kernels import cpu_gemm; import jax.numpy as jnp; "
+            "import jax; x = jnp.ones((3, 8)); "
+            "print(cpu_gemm.available(), cpu_gemm.TARGET in "
+            "jax.jit(cpu_gemm.gemm_nt).lower(x, x).as_text())")
+    env = dict(os.environ, SPECJAX_CPU_GEMM="0", JAX_PLATFORMS="cpu")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         check=True).stdout.split()
+    assert out == ["False", "False"]
