@@ -29,6 +29,7 @@ import functools
 import hashlib
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import warnings
@@ -66,20 +67,27 @@ def _build_dir() -> Path:
     return root / "kernels"
 
 
+def compiler() -> list[str]:
+    """The C++ compiler command: ``$CXX`` split as a shell would (``ccache g++`` works), else
+    ``g++``."""
+    return shlex.split(os.environ.get("CXX") or "g++")
+
+
 def _build() -> Path:
     """Compiles ``cpu_gemm.cc`` unless a build of this source and toolchain is kept; returns
     the library's path.
 
     Raises:
-      RuntimeError: the compiler failed (its message included).
+      RuntimeError: the compiler failed or ran for more than two minutes (its message
+        included).
     """
     import filelock
     import jaxlib
 
-    compiler = os.environ.get("CXX") or "g++"
+    cxx = compiler()
     include = jax.ffi.include_dir()
     digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(
-        (compiler, *FLAGS, jaxlib.__version__, platform.machine())).encode()).hexdigest()[:16]
+        (*cxx, *FLAGS, jaxlib.__version__, platform.machine())).encode()).hexdigest()[:16]
     out = _build_dir() / f"cpu_gemm-{digest}.so"
     if out.exists():
         return out
@@ -88,35 +96,43 @@ def _build() -> Path:
         if out.exists():
             return out
         tmp = out.with_suffix(f".{os.getpid()}.tmp")
-        cmd = [compiler, *FLAGS, f"-I{include}", str(SOURCE), "-o", str(tmp)]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise RuntimeError(f"building {SOURCE.name} failed ({' '.join(cmd)}):\n"
-                               f"{proc.stderr[-2000:]}")
-        os.replace(tmp, out)
+        cmd = [*cxx, *FLAGS, f"-I{include}", str(SOURCE), "-o", str(tmp)]
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+            if proc.returncode != 0:
+                raise RuntimeError(f"building {SOURCE.name} failed ({' '.join(cmd)}):\n"
+                                   f"{proc.stderr[-2000:]}")
+            os.replace(tmp, out)
+        except subprocess.TimeoutExpired as e:
+            raise RuntimeError(f"building {SOURCE.name} took over {e.timeout} s") from e
+        finally:
+            tmp.unlink(missing_ok=True)
     return out
 
 
 @functools.cache
 def available() -> bool:
-    """Whether :func:`gemm_nt` runs the kernel on CPU: an x86-64 Linux CPU with AVX2 and FMA,
-    a C++ compiler, a successful build and registration, and ``SPECJAX_CPU_GEMM`` not ``0``.
+    """Whether :func:`gemm_nt` runs the kernel: JAX's default backend is the CPU, an x86-64
+    Linux CPU with AVX2 and FMA, a C++ compiler (:func:`compiler`), a successful build and
+    registration, and ``SPECJAX_CPU_GEMM`` not ``0``.
 
     Read once per process; a failed build warns once and the reference runs instead.
     """
-    if os.environ.get("SPECJAX_CPU_GEMM", "1") == "0":
+    if os.environ.get("SPECJAX_CPU_GEMM", "1") == "0" or jax.default_backend() != "cpu":
         return False
     if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
         return False
     if not {"avx2", "fma"} <= _cpu_flags():
         return False
-    if shutil.which(os.environ.get("CXX") or "g++") is None:
+    if shutil.which(compiler()[0]) is None:
+        warnings.warn(f"the CPU matrix-product kernel needs a C++ compiler ({compiler()[0]} "
+                      "not found; set $CXX), using XLA's product", stacklevel=2)
         return False
     try:
         library = ctypes.cdll.LoadLibrary(str(_build()))
         jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(library.SpecjaxGemmNT),
                                     platform="cpu")
-    except (OSError, RuntimeError) as e:
+    except Exception as e:  # noqa: BLE001 -- any failure leaves XLA's product in place
         warnings.warn(f"the CPU matrix-product kernel is unavailable, using XLA's ({e})",
                       stacklevel=2)
         return False

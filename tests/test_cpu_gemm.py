@@ -19,10 +19,12 @@ from specjax.kernels import cpu_gemm
 from specjax.models import layers
 
 # Where the kernel can run it must: a silent fallback would leave it untested.
-CAN_BUILD = (platform.system() == "Linux" and platform.machine() == "x86_64"
-             and {"avx2", "fma"} <= cpu_gemm._cpu_flags() and shutil.which("g++") is not None
+CAN_BUILD = (jax.default_backend() == "cpu" and platform.system() == "Linux"
+             and platform.machine() == "x86_64" and {"avx2", "fma"} <= cpu_gemm._cpu_flags()
+             and shutil.which(cpu_gemm.compiler()[0]) is not None
              and os.environ.get("SPECJAX_CPU_GEMM", "1") != "0")
-needs_kernel = pytest.mark.skipif(not CAN_BUILD, reason="no x86-64 CPU with AVX2/FMA and g++")
+needs_kernel = pytest.mark.skipif(not CAN_BUILD,
+                                  reason="no x86-64 CPU backend with AVX2/FMA and a compiler")
 
 
 def _operands(m, k, n, seed=0):

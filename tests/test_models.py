@@ -225,6 +225,8 @@ def test_row_weights_change_passes_only_by_summation_order(tie):
     np.testing.assert_array_equal(many[0], many[1])  # 80 rows: XLA's [in, out] product
     few = [forward(p, cfg, tokens[:, :5], _positions(2, 5), cache)[0] for p in (params, rows)]
     np.testing.assert_allclose(few[0], few[1], atol=1e-5, rtol=0)
+    # Where the kernel runs, the few-row pass must have taken the copies (a bitwise match
+    # would mean it fell back to the [in, out] product unnoticed).
     assert not cpu_gemm.available() or not np.array_equal(few[0], few[1])
     one = [forward(p, cfg, tokens[:1, :1], _positions(1, 1), cache_lib.init_cache(cfg, 1, 8))[0]
            for p in (params, rows)]

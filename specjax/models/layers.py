@@ -106,7 +106,9 @@ def matmul_nt(x: jax.Array, w: jax.Array) -> jax.Array:
 
     Float32 products of 2 to 64 rows (:data:`KERNEL_ROWS`) run on the CPU kernel
     (:func:`specjax.kernels.cpu_gemm.gemm_nt`; XLA's product on other backends or where the
-    kernel is unavailable); everything else is :func:`matmul`.
+    kernel is unavailable); everything else is :func:`matmul`. So a row's result is the same
+    bit for bit in any product of 2 to 64 rows, but a one-row product (XLA's) differs from it
+    by summation order: a verify pass and a plain step agree to rounding, not bitwise.
     """
     if kernel_takes(x, w):
         rows = int(np.prod(x.shape[:-1]))
