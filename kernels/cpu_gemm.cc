@@ -1,10 +1,10 @@
 // Small-batch float32 matrix product for XLA:CPU, as an XLA FFI custom call (kernels/cpu_gemm.py).
 //
-//   y[m, n] = sum_k x[m, k] * w[n, k]        x [M, K], w [N, K] (one weight row per output), y [M, N]
+//   y[m, n] = sum_k x[m, k] * w[n, k]     x [M, K], w [N, K] (a row per output), y [M, N]
 //
 // A verify pass multiplies a few rows (the tree's nodes) by every weight matrix of the target.
 // XLA:CPU's matrix product at 2-64 rows streams the weights at about half the speed of its
-// one-row product, so a 2-node pass cost ~1.7x a one-node pass. This kernel reads each weight
+// one-row product, so a 2-node pass cost ~1.6x a one-node pass. This kernel reads each weight
 // row from memory once for all M rows: the N outputs are split into chunks of rows of w, taken
 // by XLA's intra-op threads from a shared counter, and each chunk is walked in tiles of MR rows
 // of x by NR rows of w whose MR * NR accumulators live in registers (AVX2 + FMA), the NR rows

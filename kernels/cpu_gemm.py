@@ -3,7 +3,8 @@
 A verify pass multiplies the few rows of a draft (2-64 tree nodes or block positions, times the
 batch) by every weight matrix of the target. On XLA:CPU a product of 2-64 rows streams the
 weights at about half the speed of the one-row product, so a 2-node pass of SmolLM2-135M cost
-about 1.7x a plain decoding step and a 16-node pass about 3.5x, whatever the drafter. The kernel
+about 1.6 plain decoding steps and a 16-node pass about 2.5 (``specjax calibrate``, the README's
+performance notes), whatever the drafter. The kernel
 reads each weight row once for all rows, with register tiles and XLA's intra-op threads
 (``cpu_gemm.cc`` says how).
 

@@ -26,7 +26,7 @@ from specjax.models import attention as attention_lib
 # Row counts whose float32 products by a weight stored [out, in] run on the CPU kernel
 # (:mod:`specjax.kernels.cpu_gemm`): a verify pass's nodes or a drafted block, times the batch.
 # One row stays on XLA's matrix-vector product, which streams the weights faster still; by 64
-# rows XLA's matrix product has caught up (a 64-node pass of SmolLM2-135M cost 5.3-5.9 plain
+# rows XLA's matrix product has caught up (a 64-node pass of SmolLM2-135M cost 5.3-6.2 plain
 # steps either way, the README's performance notes).
 KERNEL_ROWS = (2, 64)
 
