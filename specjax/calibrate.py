@@ -55,7 +55,7 @@ from specjax.tree import StaticTree
 
 # Part of every cost table's key: raised when the measurement changes, so tables cached by an
 # earlier version are measured again.
-METHOD_VERSION = 7
+METHOD_VERSION = 8
 
 
 @dataclasses.dataclass(frozen=True)

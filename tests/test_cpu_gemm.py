@@ -15,8 +15,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from specjax.config import ModelConfig
+from specjax.drafters import eagle
+from specjax.io import layout
 from specjax.kernels import cpu_gemm
-from specjax.models import layers
+from specjax.models import layers, target
+from specjax.targets import DecoderTarget
 
 # Where the kernel can run it must: a silent fallback would leave it untested.
 CAN_BUILD = (jax.default_backend() == "cpu" and platform.system() == "Linux"
@@ -107,6 +111,31 @@ def test_matmul_nt_sends_float32_products_of_2_to_64_rows_to_the_kernel(rows, dt
     w = jnp.ones((5, 8), dtype)
     assert _kernel_calls(layers.matmul_nt, x, w) == calls
     np.testing.assert_allclose(layers.matmul_nt(x, w), jnp.full((rows, 5), 8.0))
+
+
+@needs_kernel
+def test_a_drafters_one_row_copies_send_its_products_to_the_kernel():
+    """EAGLE-3's feature projection and own head over 4 drafted rows: on the kernel with the
+    copies :func:`eagle.drafter_params` adds for a target that has them, on XLA without, with
+    the same values to float32 rounding."""
+    cfg = ModelConfig(arch="llama", vocab_size=61, d_model=32, n_layers=4, n_heads=4,
+                      n_kv_heads=2, head_dim=8, d_ff=48)
+    e3 = eagle.EagleConfig.eagle3(cfg, draft_vocab_size=40)
+    own = eagle.init_params(e3, 1, scale=0.3)
+    rows = layout.with_row_weights(target.init_params(cfg, 0, scale=0.5))
+    tgt = DecoderTarget(cfg)
+    tokens = jnp.arange(4, dtype=jnp.int32).reshape(1, 4)
+    hidden = jax.random.normal(jax.random.key(0), (1, 4, e3.feature_width))
+
+    def draft(dp):
+        x, h = eagle.layer_inputs(e3, tgt, dp, tokens, hidden, from_target=True)
+        return x, eagle.draft_logits(e3, tgt, dp, h)
+
+    copies, plain = (eagle.drafter_params(own, rows, row_weights=r) for r in (True, False))
+    assert _kernel_calls(draft, copies) == 2
+    assert _kernel_calls(draft, plain) == 0
+    for got, want in zip(draft(copies), draft(plain)):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
 def test_the_switch_turns_the_kernel_off():

@@ -18,7 +18,7 @@ from specjax import api, decode, sampling
 from specjax.config import ModelConfig
 from specjax.drafters import dflash
 from specjax.drafters.base import Context, Prefill
-from specjax.io import official
+from specjax.io import layout, official
 from specjax.drafters.dflash import BlockChain, DDTree, DFlashConfig, DFlashDrafter, SampledBlock
 from specjax.models import target
 from specjax.targets import DecoderTarget
@@ -89,6 +89,29 @@ def test_greedy_dflash_equals_plain(policy):
         assert got.tokens == want.tokens[: len(prompts)], policy
         assert got.stopped == want.stopped[: len(prompts)]
         assert (got.stats.fallbacks == 0).all()
+
+
+@pytest.mark.parametrize("policy", ["chain", "ddtree-16"])
+def test_one_row_copies_draft_as_the_plain_weights_do(policy):
+    """A target with one-row copies gets a drafter with them (fc's and every layer's) unless
+    asked for none: the same drafts (equal acceptance counts on every row) and the same
+    output as plain decoding, batch 4 with mixed lengths."""
+    cfg, own, pol, block, vocab = POLICIES[policy]
+    rows = layout.with_row_weights(PARAMS)
+    dp = dflash.drafter_params(own, rows)
+    assert "fc_t" in dp["drafter"] and all("w_down_t" in p for p in dp["drafter"]["layers"])
+    assert "fc_t" not in dflash.drafter_params(own, PARAMS)["drafter"]
+    plain_dp = dflash.drafter_params(own, rows, row_weights=False)
+    assert "fc_t" not in plain_dp["drafter"]
+    drafter = DFlashDrafter(cfg, TGT, pol, block, vocab)
+    plain = api.generate_tokens(TINY, rows, PROMPTS, max_new_tokens=20)
+    got = api.generate_tokens(TINY, rows, PROMPTS, max_new_tokens=20, drafter=drafter,
+                              drafter_params=dp)
+    ref = api.generate_tokens(TINY, rows, PROMPTS, max_new_tokens=20, drafter=drafter,
+                              drafter_params=plain_dp)
+    assert got.tokens == plain.tokens == ref.tokens
+    assert ref.stats.accept_hist[:, 1:].sum() > 0  # drafts were accepted: they compared
+    np.testing.assert_array_equal(got.stats.accept_hist, ref.stats.accept_hist)
 
 
 def test_the_drafter_cache_equals_a_fresh_prefill_of_the_committed_sequence():

@@ -16,6 +16,7 @@ from specjax.config import ModelConfig
 from specjax.drafters import eagle
 from specjax.drafters.base import Context, Prefill
 from specjax.drafters.eagle import DynamicTree, EagleConfig, EagleDrafter, SampledChain
+from specjax.io import layout
 from specjax.models import target
 from specjax.targets import DecoderTarget
 from specjax.tree import StaticTree
@@ -86,6 +87,32 @@ def test_greedy_eagle_equals_plain(version, policy, vocab):
         assert got.tokens == want.tokens[: len(prompts)], policy
         assert got.stopped == want.stopped[: len(prompts)]
         assert (got.stats.fallbacks == 0).all()
+
+
+@pytest.mark.parametrize("version, policy", [(3, "dynamic-16"), (3, "chain"), (1, "dynamic-16")])
+def test_one_row_copies_draft_as_the_plain_weights_do(version, policy):
+    """A target with one-row copies gets a drafter with them (its layer's, its fc's, EAGLE-3's
+    head's) unless asked for none: the same drafts (equal acceptance counts on every row)
+    and the same output as plain decoding, batch 4 with mixed lengths, and for a chain batch
+    1 too (one-row draft calls)."""
+    cfg, own = (E3, OWN3) if version == 3 else (E1, OWN1)
+    rows = layout.with_row_weights(PARAMS)
+    dp = eagle.drafter_params(own, rows)
+    want = {"fc_t"} | ({"lm_head_t"} if version == 3 else set())
+    assert want <= dp["drafter"].keys() and "wqkv_t" in dp["drafter"]["layer"]
+    assert "fc_t" not in eagle.drafter_params(own, PARAMS)["drafter"]
+    plain_dp = eagle.drafter_params(own, rows, row_weights=False)
+    assert "fc_t" not in plain_dp["drafter"]
+    drafter = EagleDrafter(cfg, TGT, POLICIES[policy])
+    for prompts in (PROMPTS, PROMPTS[:1]) if policy == "chain" else (PROMPTS,):
+        plain = api.generate_tokens(TINY, rows, prompts, max_new_tokens=20)
+        got = api.generate_tokens(TINY, rows, prompts, max_new_tokens=20, drafter=drafter,
+                                  drafter_params=dp)
+        ref = api.generate_tokens(TINY, rows, prompts, max_new_tokens=20, drafter=drafter,
+                                  drafter_params=plain_dp)
+        assert got.tokens == plain.tokens == ref.tokens
+        assert ref.stats.accept_hist[:, 1:].sum() > 0  # drafts were accepted: they compared
+        np.testing.assert_array_equal(got.stats.accept_hist, ref.stats.accept_hist)
 
 
 def test_the_drafter_cache_equals_a_fresh_prefill_of_the_committed_sequence():

@@ -41,6 +41,12 @@ Params are ``{"drafter": own, "target": the target's params}``::
            "token_order": [V] int32   (optional: target ids, the most frequent in the
                                        training data first; not trained)}
 
+**One-row copies.** :func:`drafter_params` adds the copies of
+:func:`specjax.io.layout.with_drafter_row_weights` (``fc_t`` and every layer's ``*_t``) when the
+target's params carry theirs, so a drafted block's products run as a verify pass's do: on the
+CPU kernel in float32 (:func:`specjax.models.layers.matmul_nt`). The KV injection reads the
+layers' ``wqkv`` as it is.
+
 **Draft vocabulary.** With ``DFlashDrafter(vocab=Vd)`` the head scores only the Vd first ids
 of ``token_order`` (:mod:`specjax.drafters.vocab`): :func:`drafter_params` gathers their rows
 of the target's head once, ``params["head"] = {"ids": [Vd] int32, "rows": [Vd, E]}``, and a
@@ -67,6 +73,7 @@ from specjax.config import ModelConfig
 from specjax.drafters import vocab as vocab_lib
 from specjax.drafters.base import (CATCH_UP, Accepted, Context, Prefill, Proposal,
                                    chain_parents, check_shapes)
+from specjax.io import layout
 from specjax.models import attention as attn
 from specjax.models import cache as cache_lib
 from specjax.models import layers
@@ -639,15 +646,25 @@ def resolve_vocab(cfg: DFlashConfig, given: int | str | None) -> int | None:
 
 
 def drafter_params(own: dict, target_params: dict, *, target=None,
-                   vocab: int | None = None) -> dict:
+                   vocab: int | None = None, row_weights: bool | None = None) -> dict:
     """The params pytree a :class:`DFlashDrafter` takes: its own weights and the target's, and
     with ``vocab`` = Vd the rows of ``target``'s head (a
     :class:`~specjax.targets.DraftingTarget`) of the Vd first ids of ``own["token_order"]``.
 
+    ``row_weights`` adds the one-row copies of ``own``
+    (:func:`specjax.io.layout.with_drafter_row_weights`: ``fc_t`` and each layer's ``*_t``), so
+    a drafted block's products run as a verify pass's do (on the CPU kernel in float32); None
+    (the default) adds them when ``target_params`` carry the target's
+    (:func:`specjax.io.layout.has_row_weights`: a float32 target loaded on the CPU does, a
+    trainer's frozen target does not).
+
     Raises:
       ValueError: ``vocab`` without a ``target``, or for a drafter without a ``token_order``.
     """
-    params = {"drafter": own, "target": target_params}
+    if row_weights is None:
+        row_weights = layout.has_row_weights(target_params)
+    params = {"drafter": layout.with_drafter_row_weights(own) if row_weights else own,
+              "target": target_params}
     if vocab is not None:
         params["head"] = vocab_lib.gather_head(own, target, target_params, vocab, "DFlash")
     return params

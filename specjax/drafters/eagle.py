@@ -50,6 +50,12 @@ through the :class:`~specjax.targets.DraftingTarget` protocol)::
                                   training data first; not trained)
     }
 
+**One-row copies.** :func:`drafter_params` adds the copies of
+:func:`specjax.io.layout.with_drafter_row_weights` (``fc_t``, the layer's ``*_t``, EAGLE-3's
+``lm_head_t`` [Vd, D]) when the target's params carry theirs, so the draft calls multiply as
+the target's passes do: one row by XLA's fastest layout, 2 to 64 float32 rows on the CPU
+kernel (:func:`specjax.models.layers.matmul_nt`).
+
 **An EAGLE-1 draft vocabulary.** The target's head over every drafted node is most of an
 EAGLE-1 draft call on a small target; with ``EagleDrafter(vocab=Vd)`` it scores only the Vd
 first ids of ``token_order`` (:mod:`specjax.drafters.vocab`), whose rows of the target's head
@@ -75,6 +81,7 @@ from specjax.config import ModelConfig
 from specjax.drafters import vocab as vocab_lib
 from specjax.drafters.base import (CATCH_UP, Accepted, Context, Prefill, Proposal,
                                    chain_parents, check_shapes)
+from specjax.io import layout
 from specjax.models import attention as attn
 from specjax.models import cache as cache_lib
 from specjax.models import layers
@@ -274,12 +281,13 @@ def decoder_layer(cfg: EagleConfig, own: dict, x, residual, positions, blocks_of
 
 def draft_logits(cfg: EagleConfig, target, params: dict, out: jax.Array) -> jax.Array:
     """Float32 logits of the drafter's outputs [..., D]: over Vd draft ids (EAGLE-3, own head
-    after the final norm) or the target's V (EAGLE-1, the target's head)."""
+    after the final norm, or its copy ``lm_head_t``: :func:`specjax.models.layers.head_logits`)
+    or the target's V (EAGLE-1, the target's head)."""
     if cfg.version == 1:
         return target.lm_head(params["target"], out)
     own = params["drafter"]
     h = layers.rms_norm(out, own["final_norm"], cfg.layer.norm_eps)
-    return layers.matmul(h, own["lm_head"], "...d,dv->...v")
+    return layers.head_logits(h, own["lm_head"], own.get("lm_head_t"))
 
 
 # ----------------------------------------------------------------------------------------
@@ -728,15 +736,23 @@ def resolve_vocab(cfg: EagleConfig, given: int | str | None) -> int | None:
 
 
 def drafter_params(own: dict, target_params: dict, *, target=None,
-                   vocab: int | None = None) -> dict:
+                   vocab: int | None = None, row_weights: bool | None = None) -> dict:
     """The params pytree an :class:`EagleDrafter` takes: its own weights and the target's, and
     for an EAGLE-1 drafter with ``vocab`` = Vd the rows of ``target``'s head (a
     :class:`~specjax.targets.DraftingTarget`) of the Vd first ids of ``own["token_order"]``.
 
+    ``row_weights`` adds the one-row copies of ``own`` (module docstring); None (the default)
+    adds them when ``target_params`` carry the target's
+    (:func:`specjax.io.layout.has_row_weights`: a float32 target loaded on the CPU does, a
+    trainer's frozen target does not).
+
     Raises:
       ValueError: ``vocab`` without a ``target``, or for a drafter without a ``token_order``.
     """
-    params = {"drafter": own, "target": target_params}
+    if row_weights is None:
+        row_weights = layout.has_row_weights(target_params)
+    params = {"drafter": layout.with_drafter_row_weights(own) if row_weights else own,
+              "target": target_params}
     if vocab is not None:
         params["head"] = vocab_lib.gather_head(own, target, target_params, vocab, "EAGLE-1")
     return params

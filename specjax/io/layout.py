@@ -1,4 +1,4 @@
-"""Optional extra layouts of a target params pytree.
+"""Optional extra layouts of a target's (and a drafter's) params pytree.
 
 **One-row weights.** XLA:CPU's matrix-vector product streams a weight stored ``[out, in]``
 faster than one stored ``[in, out]`` (specjax's params have the input axis first), while with
@@ -8,7 +8,9 @@ copy of every layer matrix with its input axis moved last, under the matrix's ke
 [2, F, D], ``wo_t`` [D, N * H], ``w_down_t`` [D, F], ``lm_head_t`` [V, D]
 (:func:`specjax.models.params.abstract` with ``row_weights=True``). The decoder multiplies a
 pass of exactly one query row by the copies (:mod:`specjax.models.target`). The copies double
-the memory of those matrices.
+the memory of those matrices. A drafter's own matrices get the same copies
+(:func:`with_drafter_row_weights`) when its target has them, so drafting multiplies as the
+target's passes do.
 
 **The tied head's copy.** A tied head multiplies by the embedding table ``embed`` [V, D]: the
 one-row layout. For bfloat16 passes of several rows (a verify pass, a drafted block, and a
@@ -37,6 +39,31 @@ def with_row_weights(params: dict) -> dict:
     if "lm_head" in params:
         out["lm_head_t"] = jnp.moveaxis(params["lm_head"], 0, -1)
     return out
+
+
+def with_drafter_row_weights(own: dict) -> dict:
+    """A drafter's own weights plus their one-row copies (module docstring): each draft
+    layer's matrices as :func:`with_row_weights` copies a target layer's (EAGLE's one
+    ``"layer"``, DFlash's ``"layers"``), the feature projection ``fc`` [in, D] as ``fc_t``
+    [D, in] and a head of its own (EAGLE-3's ``lm_head`` [D, Vd]) as ``lm_head_t`` [Vd, D].
+    Drafting then multiplies by the copies as the target does.
+    """
+    def layer(p):
+        return dict(p, **{f"{k}_t": jnp.moveaxis(p[k], 0, -1) for k in ROW_WEIGHTS})
+
+    out = dict(own, **{f"{k}_t": jnp.moveaxis(own[k], 0, -1) for k in ("fc", "lm_head")
+                       if k in own})
+    if "layer" in own:
+        out["layer"] = layer(own["layer"])
+    if "layers" in own:
+        out["layers"] = [layer(p) for p in own["layers"]]
+    return out
+
+
+def has_row_weights(params: dict) -> bool:
+    """Whether target ``params`` carry the one-row copies (:func:`with_row_weights`)."""
+    return bool(params.get("layers")) and all(f"{k}_t" in params["layers"][0]
+                                              for k in ROW_WEIGHTS)
 
 
 def with_tied_head(params: dict) -> dict:

@@ -124,6 +124,15 @@ def kernel_takes(x: jax.Array, w: jax.Array) -> bool:
             and w.dtype == jnp.float32 and cpu_gemm.available())
 
 
+def head_logits(x: jax.Array, w: jax.Array, w_t: jax.Array | None = None) -> jax.Array:
+    """Float32 logits [..., V] of ``x`` [..., D] by an untied head ``w`` [D, V], or by its
+    one-row copy ``w_t`` [V, D] where given, for a single row and the rows the CPU kernel
+    takes (:func:`kernel_takes`)."""
+    if w_t is not None and (np.prod(x.shape[:-1]) == 1 or kernel_takes(x, w_t)):
+        return matmul_nt(x, w_t)
+    return matmul(x, w, "...d,dv->...v")
+
+
 def linear(x: jax.Array, p: dict, key: str) -> jax.Array:
     """x [B, T, in] times p[key] [in, *out] over its leading axis, accumulated in float32:
     [B, T, *out] in ``x.dtype`` (:func:`matmul`).

@@ -214,7 +214,7 @@ def lm_head(params: dict, cfg: ModelConfig, hidden: jax.Array) -> jax.Array:
     row (a single bfloat16 row runs as two, :func:`specjax.models.layers.matmul`) and the
     rows the CPU kernel takes (:func:`specjax.models.layers.kernel_takes`); an untied one by
     ``lm_head`` [D, V], or by its one-row copy ``lm_head_t`` [V, D] for a single row and the
-    rows the kernel takes.
+    rows the kernel takes (:func:`specjax.models.layers.head_logits`).
     """
     one_row = np.prod(hidden.shape[:-1]) == 1
     if cfg.tie_embeddings:
@@ -223,9 +223,7 @@ def lm_head(params: dict, cfg: ModelConfig, hidden: jax.Array) -> jax.Array:
                 and not layers.kernel_takes(hidden, embed)):
             return layers.matmul(hidden, params["tied_head"], "...d,dv->...v")
         return layers.matmul_nt(hidden, embed)
-    if "lm_head_t" in params and (one_row or layers.kernel_takes(hidden, params["lm_head_t"])):
-        return layers.matmul_nt(hidden, params["lm_head_t"])
-    return layers.matmul(hidden, params["lm_head"], "...d,dv->...v")
+    return layers.head_logits(hidden, params["lm_head"], params.get("lm_head_t"))
 
 
 def head_rows(params: dict, cfg: ModelConfig, vocab_ids: jax.Array) -> jax.Array:
