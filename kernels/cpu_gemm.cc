@@ -2,6 +2,10 @@
 //
 //   y[m, n] = sum_k x[m, k] * w[n, k]     x [M, K], w [N, K] (a row per output), y [M, N]
 //
+// x and y are float32; w is float32 (specjax_gemm_nt) or bfloat16 (specjax_gemm_nt_bf16), each
+// bfloat16 weight widened exactly to float32 as it is loaded, so the bfloat16 product equals the
+// float32 product of the widened weights bit for bit and streams half the bytes.
+//
 // A verify pass multiplies a few rows (the tree's nodes) by every weight matrix of the target.
 // XLA:CPU's matrix product at 2-64 rows streams the weights at about half the speed of its
 // one-row product, so a 2-node pass cost ~1.6x a one-node pass. This kernel reads each weight
@@ -20,6 +24,7 @@
 #include <atomic>
 #include <cstdint>
 #include <memory>
+#include <type_traits>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -32,6 +37,21 @@ constexpr int kColTile = 4;            // NR: rows of w per register tile
 constexpr int64_t kChunk = 48;         // rows of w per unit of work taken by a thread
 constexpr int kPrefetchBytes = 512;    // how far ahead in a row of w to prefetch
 
+// Eight weights from p as float32: float32 loads as is, bfloat16 (uint16_t) shifted into the
+// high half of a float32, which is exact.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint16_t* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+inline float widen(float v) { return v; }
+inline float widen(uint16_t v) {
+  const uint32_t bits = uint32_t{v} << 16;
+  float f;
+  __builtin_memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
 inline float lane_sum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -39,9 +59,10 @@ inline float lane_sum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// The MR x NR outputs of rows m0.. of x and rows n0.. of w.
-template <int MR, int NR>
-inline void tile(const float* x, const float* w, float* y, int64_t K, int64_t N, int64_t m0,
+// The MR x NR outputs of rows m0.. of x and rows n0.. of w, which start at wr (row j at
+// wr + j * K).
+template <int MR, int NR, typename W>
+inline void tile(const float* x, const W* wr, float* y, int64_t K, int64_t N, int64_t m0,
                  int64_t n0) {
   __m256 acc[MR][NR];
   for (int i = 0; i < MR; ++i)
@@ -50,9 +71,9 @@ inline void tile(const float* x, const float* w, float* y, int64_t K, int64_t N,
   for (int64_t k = 0; k < k8; k += 8) {
     __m256 wv[NR];
     for (int j = 0; j < NR; ++j) {
-      const float* row = w + (n0 + j) * K + k;
+      const W* row = wr + j * K + k;
       _mm_prefetch(reinterpret_cast<const char*>(row) + kPrefetchBytes, _MM_HINT_T0);
-      wv[j] = _mm256_loadu_ps(row);
+      wv[j] = load8(row);
     }
     for (int i = 0; i < MR; ++i) {
       const __m256 xv = _mm256_loadu_ps(x + (m0 + i) * K + k);
@@ -63,22 +84,22 @@ inline void tile(const float* x, const float* w, float* y, int64_t K, int64_t N,
     for (int j = 0; j < NR; ++j) {
       float s = lane_sum(acc[i][j]);
       for (int64_t k = k8; k < K; ++k) {
-        s = __builtin_fmaf(x[(m0 + i) * K + k], w[(n0 + j) * K + k], s);
+        s = __builtin_fmaf(x[(m0 + i) * K + k], widen(wr[j * K + k]), s);
       }
       y[(m0 + i) * N + n0 + j] = s;
     }
   }
 }
 
-// Outputs of every row of x for rows n0 .. n0 + NR - 1 of w.
-template <int NR>
-inline void columns(const float* x, const float* w, float* y, int64_t M, int64_t K, int64_t N,
+// Outputs of every row of x for rows n0 .. n0 + NR - 1 of w, which start at wr.
+template <int NR, typename W>
+inline void columns(const float* x, const W* wr, float* y, int64_t M, int64_t K, int64_t N,
                     int64_t n0) {
   int64_t m = 0;
-  for (; m + kRowTile <= M; m += kRowTile) tile<kRowTile, NR>(x, w, y, K, N, m, n0);
+  for (; m + kRowTile <= M; m += kRowTile) tile<kRowTile, NR>(x, wr, y, K, N, m, n0);
   switch (M - m) {
-    case 2: tile<2, NR>(x, w, y, K, N, m, n0); break;
-    case 1: tile<1, NR>(x, w, y, K, N, m, n0); break;
+    case 2: tile<2, NR>(x, wr, y, K, N, m, n0); break;
+    case 1: tile<1, NR>(x, wr, y, K, N, m, n0); break;
     default: break;
   }
 }
@@ -86,32 +107,52 @@ inline void columns(const float* x, const float* w, float* y, int64_t M, int64_t
 // The work shared by the calling thread and its helpers: chunks of rows of w, handed out by
 // `next`. It lives on the heap, owned by every task: a helper that starts after the call has
 // returned finds no chunk left and touches no buffer.
+template <typename W>
 struct Job {
   const float* x;
-  const float* w;
+  const W* w;
   float* y;
   int64_t m, k, n, chunks;
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> finished{0};
 
+  // Rows n0 .. n0 + NR - 1 of w for every row of x. Bfloat16 rows that more than one row
+  // tile of x would each widen again are widened once into `wide` (L1-sized), the same float32
+  // values the tiles would load.
+  template <int NR>
+  void group(int64_t n0, float* wide) {
+    const W* wr = w + n0 * k;
+    if constexpr (std::is_same_v<W, uint16_t>) {
+      if (m > kRowTile) {
+        for (int64_t i = 0; i < NR * k; ++i) wide[i] = widen(wr[i]);
+        columns<NR>(x, static_cast<const float*>(wide), y, m, k, n, n0);
+        return;
+      }
+    }
+    columns<NR>(x, wr, y, m, k, n, n0);
+  }
+
   void work() {
+    std::unique_ptr<float[]> wide;
+    if (std::is_same_v<W, uint16_t> && m > kRowTile) wide.reset(new float[kColTile * k]);
     for (int64_t c; (c = next.fetch_add(1, std::memory_order_relaxed)) < chunks;) {
       const int64_t begin = c * kChunk, end = begin + kChunk < n ? begin + kChunk : n;
       int64_t col = begin;
-      for (; col + kColTile <= end; col += kColTile) columns<kColTile>(x, w, y, m, k, n, col);
-      for (; col < end; ++col) columns<1>(x, w, y, m, k, n, col);
+      for (; col + kColTile <= end; col += kColTile) group<kColTile>(col, wide.get());
+      for (; col < end; ++col) group<1>(col, wide.get());
       finished.fetch_add(1, std::memory_order_release);
     }
   }
 };
 
-ffi::Error GemmNT(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+template <ffi::DataType T>
+ffi::Error GemmNT(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<T> w,
                   ffi::ResultBuffer<ffi::F32> y) {
   const auto xd = x.dimensions(), wd = w.dimensions();
   if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[1]) {
     return ffi::Error::InvalidArgument("specjax_gemm_nt expects x [M, K] and w [N, K]");
   }
-  auto job = std::make_shared<Job>();
+  auto job = std::make_shared<Job<ffi::NativeType<T>>>();
   job->x = x.typed_data();
   job->w = w.typed_data();
   job->y = y->typed_data();
@@ -133,9 +174,15 @@ ffi::Error GemmNT(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxGemmNT, GemmNT,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxGemmNT, GemmNT<ffi::F32>,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxGemmNTBF16, GemmNT<ffi::BF16>,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());

@@ -8,9 +8,11 @@ performance notes), whatever the drafter. The kernel
 reads each weight row once for all rows, with register tiles and XLA's intra-op threads
 (``cpu_gemm.cc`` says how).
 
-``gemm_nt(x, w)`` computes ``x @ w.T`` for ``x`` [M, K] and ``w`` [N, K] (the weight stored one
-row per output, the layout of :mod:`specjax.io.layout`'s one-row copies and of a tied head's
-embedding table). ``gemm_nt_reference`` is the definition and what runs where the kernel cannot:
+``gemm_nt(x, w)`` computes ``x @ w.T`` for ``x`` [M, K] float32 and ``w`` [N, K] (the weight
+stored one row per output, the layout of :mod:`specjax.io.layout`'s one-row copies and of a tied
+head's embedding table), float32 or bfloat16. Bfloat16 weights are widened to float32 exactly as
+they are loaded: the product equals the float32 product of the widened weights bit for bit and
+streams half the bytes (a drafter's copies of bfloat16 checkpoint weights). ``gemm_nt_reference`` is the definition and what runs where the kernel cannot:
 another backend (the choice is made at lowering, per platform), another CPU, no C++ compiler,
 or ``SPECJAX_CPU_GEMM=0``. Every output element is computed in the same order wherever it falls,
 so a row's result never depends on the rows beside it: row i of an M-row product equals the
@@ -39,7 +41,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-TARGET = "specjax_gemm_nt"
+TARGET = "specjax_gemm_nt"  # float32 weights; TARGET + "_bf16" takes bfloat16 ones
 SOURCE = Path(__file__).with_name("cpu_gemm.cc")
 FLAGS = ("-O3", "-mavx2", "-mfma", "-std=c++17", "-shared", "-fPIC", "-w")
 
@@ -133,6 +135,8 @@ def available() -> bool:
         library = ctypes.cdll.LoadLibrary(str(_build()))
         jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(library.SpecjaxGemmNT),
                                     platform="cpu")
+        jax.ffi.register_ffi_target(f"{TARGET}_bf16",
+                                    jax.ffi.pycapsule(library.SpecjaxGemmNTBF16), platform="cpu")
     except Exception as e:  # noqa: BLE001 -- any failure leaves XLA's product in place
         warnings.warn(f"the CPU matrix-product kernel is unavailable, using XLA's ({e})",
                       stacklevel=2)
@@ -141,29 +145,34 @@ def available() -> bool:
 
 
 def gemm_nt_reference(x: jax.Array, w: jax.Array) -> jax.Array:
-    """``x`` [M, K] times ``w`` [N, K] transposed: [M, N] float32, XLA's product."""
-    return jnp.einsum("mk,nk->mn", x, w, preferred_element_type=jnp.float32)
+    """``x`` [M, K] times ``w`` [N, K] (widened to float32) transposed: [M, N] float32, XLA's
+    product."""
+    return jnp.einsum("mk,nk->mn", x, w.astype(jnp.float32), preferred_element_type=jnp.float32)
 
 
 def _kernel(x: jax.Array, w: jax.Array) -> jax.Array:
     out = jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), jnp.float32)
-    return jax.ffi.ffi_call(TARGET, out, vmap_method="sequential")(x, w)
+    target = TARGET if w.dtype == jnp.float32 else f"{TARGET}_bf16"
+    return jax.ffi.ffi_call(target, out, vmap_method="sequential")(x, w)
 
 
 @jax.custom_vjp
 def gemm_nt(x: jax.Array, w: jax.Array) -> jax.Array:
-    """``x`` [M, K] float32 times ``w`` [N, K] float32 transposed: [M, N] float32.
+    """``x`` [M, K] float32 times ``w`` [N, K] float32 or bfloat16 transposed: [M, N] float32.
 
     On CPU where :func:`available`, the kernel (module docstring); elsewhere, and on other
-    backends, :func:`gemm_nt_reference`. Differentiable (the gradients are XLA's products).
+    backends, :func:`gemm_nt_reference`. Differentiable (the gradients are XLA's products, the
+    weights' in their dtype).
 
     Raises:
-      ValueError: not two float32 matrices with the same K.
+      ValueError: not two matrices with the same K, ``x`` float32 and ``w`` float32 or
+        bfloat16.
     """
     if (x.ndim, w.ndim) != (2, 2) or x.shape[1] != w.shape[1]:
         raise ValueError(f"gemm_nt expects x [M, K] and w [N, K], got {x.shape} and {w.shape}")
-    if x.dtype != jnp.float32 or w.dtype != jnp.float32:
-        raise ValueError(f"gemm_nt takes float32, got {x.dtype} and {w.dtype}")
+    if x.dtype != jnp.float32 or w.dtype not in (jnp.float32, jnp.bfloat16):
+        raise ValueError(f"gemm_nt takes x float32 and w float32 or bfloat16, got {x.dtype} "
+                         f"and {w.dtype}")
     if not available():
         return gemm_nt_reference(x, w)
     return jax.lax.platform_dependent(x, w, cpu=_kernel, default=gemm_nt_reference)
@@ -175,7 +184,7 @@ def _forward(x, w):
 
 def _backward(residuals, dy):
     x, w = residuals
-    return dy @ w, dy.T @ x
+    return dy @ w.astype(jnp.float32), (dy.T @ x).astype(w.dtype)
 
 
 gemm_nt.defvjp(_forward, _backward)

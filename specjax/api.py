@@ -137,8 +137,9 @@ def request_limits(max_new_tokens: int | Sequence[int], n: int) -> np.ndarray:
 
 
 def _compiled(fn, args: tuple, traced: dict, statics: dict):
-    """An ahead-of-time compiled ``fn`` for these argument structures (positional ``args``,
-    keyword ``traced``) and statics, and its compile seconds (0 when cached).
+    """An ahead-of-time compiled ``fn`` for these argument structures, shapes and dtypes
+    (positional ``args``, keyword ``traced``) and statics, and its compile seconds (0 when
+    cached).
 
     At most ``COMPILED_MAX`` recent executables are kept: past that the least recently used
     ones go, down to half of it, and JAX's own caches are cleared (``jax.clear_caches``), whose
@@ -147,7 +148,7 @@ def _compiled(fn, args: tuple, traced: dict, statics: dict):
     (every other jitted function then compiles again) to one per ``COMPILED_MAX // 2``
     new executables."""
     key = (fn, jax.tree.structure((args, traced)),
-           tuple(jnp.shape(a) for a in jax.tree.leaves((args, traced))),
+           tuple((jnp.shape(a), jnp.result_type(a)) for a in jax.tree.leaves((args, traced))),
            tuple(sorted(statics.items(), key=lambda kv: kv[0])))
     if key in _COMPILED:
         _COMPILED.move_to_end(key)

@@ -56,6 +56,21 @@ def test_values_within_the_float32_error_bound(m, k, n):
     assert np.all(np.abs(y - exact) <= bound)
 
 
+SHAPES = [(1, 8, 4), (2, 13, 5), (3, 576, 49), (4, 7, 97), (5, 64, 48), (16, 1536, 100),
+          (37, 40, 3), (64, 576, 960), (70, 9, 130)]
+
+
+@pytest.mark.parametrize("m,k,n", SHAPES)
+def test_bfloat16_weights_give_the_float32_product_of_the_widened_weights(m, k, n):
+    """Bfloat16 weights are widened exactly as they are loaded (in registers for up to one row
+    tile of x, through a widened copy of each row group beyond): the product equals the
+    float32 kernel's on the widened weights bit for bit."""
+    x, w = _operands(m, k, n, seed=4)
+    w16 = jnp.asarray(w).astype(jnp.bfloat16)
+    f = jax.jit(cpu_gemm.gemm_nt)
+    np.testing.assert_array_equal(f(x, w16), f(x, w16.astype(jnp.float32)))
+
+
 @needs_kernel
 def test_each_row_is_independent_of_the_rows_beside_it():
     """Row i of an M-row product equals the one-row product of row i, and the same row placed
@@ -69,13 +84,17 @@ def test_each_row_is_independent_of_the_rows_beside_it():
         np.testing.assert_array_equal(np.asarray(f(moved, w))[0], full[i])
 
 
-def test_gradients_are_the_references():
+@pytest.mark.parametrize("wdtype", [jnp.float32, jnp.bfloat16])
+def test_gradients_are_the_references(wdtype):
     x, w = _operands(6, 24, 10, seed=2)
+    w = jnp.asarray(w).astype(wdtype)
     loss = lambda fn: lambda x, w: jnp.sum(jnp.sin(fn(x, w)))  # noqa: E731
     got = jax.grad(loss(cpu_gemm.gemm_nt), argnums=(0, 1))(x, w)
     want = jax.grad(loss(cpu_gemm.gemm_nt_reference), argnums=(0, 1))(x, w)
+    assert got[1].dtype == wdtype
     for g, r in zip(got, want):
-        np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(r, np.float32),
+                                   rtol=1e-2 if wdtype == jnp.bfloat16 else 1e-4, atol=1e-4)
 
 
 def test_runs_under_vmap_and_inside_a_while_loop():
@@ -96,46 +115,63 @@ def test_bad_operands_are_refused_clearly():
         cpu_gemm.gemm_nt(x, w[:, :7])
     with pytest.raises(ValueError, match="float32"):
         cpu_gemm.gemm_nt(x.astype(jnp.bfloat16), w)
+    with pytest.raises(ValueError, match="bfloat16"):
+        cpu_gemm.gemm_nt(x, w.astype(jnp.float16))
 
 
 def _kernel_calls(fn, *args) -> int:
     return jax.jit(fn).lower(*args).as_text().count(cpu_gemm.TARGET)
 
 
+F32, BF16 = jnp.float32, jnp.bfloat16
+
+
 @needs_kernel
-@pytest.mark.parametrize("rows,dtype,calls", [(1, jnp.float32, 0), (2, jnp.float32, 1),
-                                             (64, jnp.float32, 1), (65, jnp.float32, 0),
-                                             (4, jnp.bfloat16, 0)])
-def test_matmul_nt_sends_float32_products_of_2_to_64_rows_to_the_kernel(rows, dtype, calls):
+@pytest.mark.parametrize("rows,dtype,wdtype,calls", [
+    (1, F32, F32, 0), (2, F32, F32, 1), (64, F32, F32, 1), (65, F32, F32, 0), (4, BF16, BF16, 0),
+    (1, F32, BF16, 1), (64, F32, BF16, 1), (65, F32, BF16, 0)])
+def test_matmul_nt_sends_float32_rows_to_the_kernel(rows, dtype, wdtype, calls):
+    """2 to 64 float32 rows by float32 weights, 1 to 64 by bfloat16 weights."""
     x = jnp.ones((rows, 8), dtype)
-    w = jnp.ones((5, 8), dtype)
+    w = jnp.ones((5, 8), wdtype)
     assert _kernel_calls(layers.matmul_nt, x, w) == calls
     np.testing.assert_allclose(layers.matmul_nt(x, w), jnp.full((rows, 5), 8.0))
 
 
 @needs_kernel
-def test_a_drafters_one_row_copies_send_its_products_to_the_kernel():
-    """EAGLE-3's feature projection and own head over 4 drafted rows: on the kernel with the
-    copies :func:`eagle.drafter_params` adds for a target that has them, on XLA without, with
-    the same values to float32 rounding."""
+@pytest.mark.parametrize("n_rows,bf16_values,calls", [(4, False, 2), (1, False, 0), (4, True, 2),
+                                                      (1, True, 2)])
+def test_a_drafters_one_row_copies_send_its_products_to_the_kernel(n_rows, bf16_values, calls):
+    """EAGLE-3's feature projection and own head over drafted rows, with the copies
+    :func:`eagle.drafter_params` adds for a target that has them: 2 to 64 rows on the kernel;
+    where every weight is a bfloat16 value (a bfloat16 checkpoint's) the copies are bfloat16
+    and one row goes to the kernel too; the same values as without copies (XLA) to float32
+    rounding. Traced weights (values unknown) get float32 copies."""
     cfg = ModelConfig(arch="llama", vocab_size=61, d_model=32, n_layers=4, n_heads=4,
                       n_kv_heads=2, head_dim=8, d_ff=48)
     e3 = eagle.EagleConfig.eagle3(cfg, draft_vocab_size=40)
     own = eagle.init_params(e3, 1, scale=0.3)
+    if bf16_values:
+        own = jax.tree.map(lambda a: a.astype(jnp.bfloat16).astype(a.dtype)
+                           if a.dtype == jnp.float32 else a, own)
     rows = layout.with_row_weights(target.init_params(cfg, 0, scale=0.5))
     tgt = DecoderTarget(cfg)
-    tokens = jnp.arange(4, dtype=jnp.int32).reshape(1, 4)
-    hidden = jax.random.normal(jax.random.key(0), (1, 4, e3.feature_width))
+    tokens = jnp.arange(n_rows, dtype=jnp.int32).reshape(1, n_rows)
+    hidden = jax.random.normal(jax.random.key(0), (1, n_rows, e3.feature_width))
 
     def draft(dp):
         x, h = eagle.layer_inputs(e3, tgt, dp, tokens, hidden, from_target=True)
         return x, eagle.draft_logits(e3, tgt, dp, h)
 
     copies, plain = (eagle.drafter_params(own, rows, row_weights=r) for r in (True, False))
-    assert _kernel_calls(draft, copies) == 2
+    assert copies["drafter"]["fc_t"].dtype == (jnp.bfloat16 if bf16_values else jnp.float32)
+    assert copies["drafter"]["layer"]["w_down_t"].dtype == copies["drafter"]["fc_t"].dtype
+    assert _kernel_calls(draft, copies) == calls
     assert _kernel_calls(draft, plain) == 0
     for got, want in zip(draft(copies), draft(plain)):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    traced = jax.jit(lambda own: layout.drafter_own(own, rows)["fc_t"].dtype == jnp.float32)
+    assert traced(own)
 
 
 def test_the_switch_turns_the_kernel_off():

@@ -117,6 +117,17 @@ def test_one_compile_per_shape_across_prompts():
     assert len(api._COMPILED) == 1
 
 
+def test_arguments_of_another_dtype_compile_anew():
+    """The same shapes in another dtype (a drafter's bfloat16 weight copies, say) are another
+    executable, not a call of the first one that JAX would refuse."""
+    api._COMPILED.clear()
+    double = jax.jit(lambda x: 2 * x)
+    first, _ = api._compiled(double, (jnp.ones(3, jnp.float32),), {}, {})
+    second, compile_s = api._compiled(double, (jnp.ones(3, jnp.bfloat16),), {}, {})
+    assert second is not first and compile_s > 0 and len(api._COMPILED) == 2
+    assert second(jnp.ones(3, jnp.bfloat16)).dtype == jnp.bfloat16
+
+
 def _mappings() -> int:
     with open("/proc/self/maps") as f:
         return sum(1 for _ in f)

@@ -91,12 +91,16 @@ def test_greedy_dflash_equals_plain(policy):
         assert (got.stats.fallbacks == 0).all()
 
 
-@pytest.mark.parametrize("policy", ["chain", "ddtree-16"])
-def test_one_row_copies_draft_as_the_plain_weights_do(policy):
-    """A target with one-row copies gets a drafter with them (fc's and every layer's) unless
-    asked for none: the same drafts (equal acceptance counts on every row) and the same
-    output as plain decoding, batch 4 with mixed lengths."""
+@pytest.mark.parametrize("policy,bf16_values", [("chain", False), ("ddtree-16", False),
+                                                ("ddtree-16", True)])
+def test_one_row_copies_draft_as_the_plain_weights_do(policy, bf16_values):
+    """A target with one-row copies gets a drafter with them (fc's and every layer's; bfloat16
+    ones for weights that are bfloat16 values, where the CPU kernel runs) unless asked for
+    none: the same drafts (equal acceptance counts on every row) and the same output as plain
+    decoding, batch 4 with mixed lengths."""
     cfg, own, pol, block, vocab = POLICIES[policy]
+    if bf16_values:
+        own = jax.tree.map(lambda a: a.astype(jnp.bfloat16).astype(a.dtype), own)
     rows = layout.with_row_weights(PARAMS)
     dp = dflash.drafter_params(own, rows)
     assert "fc_t" in dp["drafter"] and all("w_down_t" in p for p in dp["drafter"]["layers"])

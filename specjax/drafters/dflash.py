@@ -44,8 +44,9 @@ Params are ``{"drafter": own, "target": the target's params}``::
 **One-row copies.** :func:`drafter_params` adds the copies of
 :func:`specjax.io.layout.with_drafter_row_weights` (``fc_t`` and every layer's ``*_t``) when the
 target's params carry theirs, so a drafted block's products run as a verify pass's do: on the
-CPU kernel in float32 (:func:`specjax.models.layers.matmul_nt`). The KV injection reads the
-layers' ``wqkv`` as it is.
+CPU kernel (:func:`specjax.models.layers.matmul_nt`), by bfloat16 copies of a bfloat16
+checkpoint's weights (:func:`specjax.io.layout.drafter_own`: the same products at half the
+bytes). The KV injection reads the layers' ``wqkv`` as it is.
 
 **Draft vocabulary.** With ``DFlashDrafter(vocab=Vd)`` the head scores only the Vd first ids
 of ``token_order`` (:mod:`specjax.drafters.vocab`): :func:`drafter_params` gathers their rows
@@ -651,19 +652,13 @@ def drafter_params(own: dict, target_params: dict, *, target=None,
     with ``vocab`` = Vd the rows of ``target``'s head (a
     :class:`~specjax.targets.DraftingTarget`) of the Vd first ids of ``own["token_order"]``.
 
-    ``row_weights`` adds the one-row copies of ``own``
-    (:func:`specjax.io.layout.with_drafter_row_weights`: ``fc_t`` and each layer's ``*_t``), so
-    a drafted block's products run as a verify pass's do (on the CPU kernel in float32); None
-    (the default) adds them when ``target_params`` carry the target's
-    (:func:`specjax.io.layout.has_row_weights`: a float32 target loaded on the CPU does, a
-    trainer's frozen target does not).
+    ``row_weights``: the one-row copies of ``own``, as :func:`specjax.io.layout.drafter_own`
+    decides them (None, the default: when ``target_params`` carry the target's).
 
     Raises:
       ValueError: ``vocab`` without a ``target``, or for a drafter without a ``token_order``.
     """
-    if row_weights is None:
-        row_weights = layout.has_row_weights(target_params)
-    params = {"drafter": layout.with_drafter_row_weights(own) if row_weights else own,
+    params = {"drafter": layout.drafter_own(own, target_params, row_weights),
               "target": target_params}
     if vocab is not None:
         params["head"] = vocab_lib.gather_head(own, target, target_params, vocab, "DFlash")

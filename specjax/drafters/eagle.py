@@ -54,7 +54,9 @@ through the :class:`~specjax.targets.DraftingTarget` protocol)::
 :func:`specjax.io.layout.with_drafter_row_weights` (``fc_t``, the layer's ``*_t``, EAGLE-3's
 ``lm_head_t`` [Vd, D]) when the target's params carry theirs, so the draft calls multiply as
 the target's passes do: one row by XLA's fastest layout, 2 to 64 float32 rows on the CPU
-kernel (:func:`specjax.models.layers.matmul_nt`).
+kernel (:func:`specjax.models.layers.matmul_nt`). The copies of a bfloat16 checkpoint's
+weights are bfloat16 where the kernel runs (:func:`specjax.io.layout.drafter_own`), and then
+every draft call, one row included, multiplies on the kernel at half the bytes.
 
 **An EAGLE-1 draft vocabulary.** The target's head over every drafted node is most of an
 EAGLE-1 draft call on a small target; with ``EagleDrafter(vocab=Vd)`` it scores only the Vd
@@ -741,17 +743,13 @@ def drafter_params(own: dict, target_params: dict, *, target=None,
     for an EAGLE-1 drafter with ``vocab`` = Vd the rows of ``target``'s head (a
     :class:`~specjax.targets.DraftingTarget`) of the Vd first ids of ``own["token_order"]``.
 
-    ``row_weights`` adds the one-row copies of ``own`` (module docstring); None (the default)
-    adds them when ``target_params`` carry the target's
-    (:func:`specjax.io.layout.has_row_weights`: a float32 target loaded on the CPU does, a
-    trainer's frozen target does not).
+    ``row_weights``: the one-row copies of ``own``, as :func:`specjax.io.layout.drafter_own`
+    decides them (None, the default: when ``target_params`` carry the target's).
 
     Raises:
       ValueError: ``vocab`` without a ``target``, or for a drafter without a ``token_order``.
     """
-    if row_weights is None:
-        row_weights = layout.has_row_weights(target_params)
-    params = {"drafter": layout.with_drafter_row_weights(own) if row_weights else own,
+    params = {"drafter": layout.drafter_own(own, target_params, row_weights),
               "target": target_params}
     if vocab is not None:
         params["head"] = vocab_lib.gather_head(own, target, target_params, vocab, "EAGLE-1")

@@ -9,8 +9,8 @@ copy of every layer matrix with its input axis moved last, under the matrix's ke
 (:func:`specjax.models.params.abstract` with ``row_weights=True``). The decoder multiplies a
 pass of exactly one query row by the copies (:mod:`specjax.models.target`). The copies double
 the memory of those matrices. A drafter's own matrices get the same copies
-(:func:`with_drafter_row_weights`) when its target has them, so drafting multiplies as the
-target's passes do.
+(:func:`with_drafter_row_weights`, :func:`drafter_own`) when its target has them, so drafting
+multiplies as the target's passes do; bfloat16 copies where that changes no weight.
 
 **The tied head's copy.** A tied head multiplies by the embedding table ``embed`` [V, D]: the
 one-row layout. For bfloat16 passes of several rows (a verify pass, a drafted block, and a
@@ -23,8 +23,11 @@ one profiled run). :func:`with_tied_head` stores the transpose once, as
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 
+from specjax.kernels import cpu_gemm
 from specjax.models.params import ROW_WEIGHTS
 
 
@@ -41,23 +44,60 @@ def with_row_weights(params: dict) -> dict:
     return out
 
 
-def with_drafter_row_weights(own: dict) -> dict:
+def with_drafter_row_weights(own: dict, dtype=None) -> dict:
     """A drafter's own weights plus their one-row copies (module docstring): each draft
     layer's matrices as :func:`with_row_weights` copies a target layer's (EAGLE's one
     ``"layer"``, DFlash's ``"layers"``), the feature projection ``fc`` [in, D] as ``fc_t``
     [D, in] and a head of its own (EAGLE-3's ``lm_head`` [D, Vd]) as ``lm_head_t`` [Vd, D].
-    Drafting then multiplies by the copies as the target does.
+    Drafting then multiplies by the copies as the target does. ``dtype``: the copies' (default
+    the weights' own).
     """
-    def layer(p):
-        return dict(p, **{f"{k}_t": jnp.moveaxis(p[k], 0, -1) for k in ROW_WEIGHTS})
+    def copy(w):
+        return jnp.moveaxis(w, 0, -1).astype(dtype or w.dtype)
 
-    out = dict(own, **{f"{k}_t": jnp.moveaxis(own[k], 0, -1) for k in ("fc", "lm_head")
-                       if k in own})
+    def layer(p):
+        return dict(p, **{f"{k}_t": copy(p[k]) for k in ROW_WEIGHTS})
+
+    out = dict(own, **{f"{k}_t": copy(own[k]) for k in ("fc", "lm_head") if k in own})
     if "layer" in own:
         out["layer"] = layer(own["layer"])
     if "layers" in own:
         out["layers"] = [layer(p) for p in own["layers"]]
     return out
+
+
+def drafter_own(own: dict, target_params: dict, row_weights: bool | None = None) -> dict:
+    """A drafter's own weights as its params carry them beside ``target_params``.
+
+    ``row_weights`` adds the one-row copies (:func:`with_drafter_row_weights`); None adds them
+    when ``target_params`` carry the target's (:func:`has_row_weights`: a float32 target loaded
+    on the CPU does, a trainer's frozen target does not). Where the CPU matrix-product kernel
+    runs and every copied weight is a bfloat16 value already (a bfloat16 checkpoint's, loaded
+    in float32), the copies are bfloat16: the kernel widens them back exactly, so every product
+    is the same and a draft call streams half the bytes.
+    """
+    if row_weights is None:
+        row_weights = has_row_weights(target_params)
+    if not row_weights:
+        return own
+    half = cpu_gemm.available() and all(_is_bfloat16(w) for w in _matrices(own))
+    return with_drafter_row_weights(own, jnp.bfloat16 if half else None)
+
+
+def _matrices(own: dict) -> list:
+    """The weights :func:`with_drafter_row_weights` copies."""
+    layers = [own["layer"]] if "layer" in own else list(own.get("layers", ()))
+    return ([own[k] for k in ("fc", "lm_head") if k in own]
+            + [p[k] for p in layers for k in ROW_WEIGHTS])
+
+
+def _is_bfloat16(w) -> bool:
+    """Whether ``w`` holds bfloat16 values only (False for a traced array)."""
+    if isinstance(w, jax.core.Tracer):
+        return False
+    w = np.asarray(w)
+    return w.dtype == np.float32 and np.array_equal(
+        w, np.asarray(jnp.asarray(w).astype(jnp.bfloat16).astype(jnp.float32)))
 
 
 def has_row_weights(params: dict) -> bool:

@@ -104,11 +104,12 @@ def matmul(x: jax.Array, w: jax.Array, spec: str) -> jax.Array:
 def matmul_nt(x: jax.Array, w: jax.Array) -> jax.Array:
     """``x`` [..., in] times ``w`` [out, in] over its trailing axis: [..., out] float32.
 
-    Float32 products of 2 to 64 rows (:data:`KERNEL_ROWS`) run on the CPU kernel
-    (:func:`specjax.kernels.cpu_gemm.gemm_nt`; XLA's product on other backends or where the
-    kernel is unavailable); everything else is :func:`matmul`. So a row's result is the same
-    bit for bit in any product of 2 to 64 rows, but a one-row product (XLA's) differs from it
-    by summation order: a verify pass and a plain step agree to rounding, not bitwise.
+    Float32 products of 2 to 64 rows (:data:`KERNEL_ROWS`), and of 1 to 64 float32 rows by
+    bfloat16 weights, run on the CPU kernel (:func:`specjax.kernels.cpu_gemm.gemm_nt`; XLA's
+    product on other backends or where the kernel is unavailable); everything else is
+    :func:`matmul`. So a row's result is the same bit for bit in any product of 2 to 64 rows,
+    but a one-row float32 product (XLA's) differs from it by summation order: a verify pass and
+    a plain step agree to rounding, not bitwise.
     """
     if kernel_takes(x, w):
         rows = int(np.prod(x.shape[:-1]))
@@ -118,10 +119,13 @@ def matmul_nt(x: jax.Array, w: jax.Array) -> jax.Array:
 
 def kernel_takes(x: jax.Array, w: jax.Array) -> bool:
     """Whether :func:`matmul_nt` multiplies ``x`` [..., in] by ``w`` [out, in] on the CPU
-    kernel: both float32, 2 to 64 rows (:data:`KERNEL_ROWS`), the kernel available."""
+    kernel: ``x`` float32, the kernel available, and ``w`` float32 with 2 to 64 rows
+    (:data:`KERNEL_ROWS`) or bfloat16 with 1 to 64 (XLA:CPU would widen the whole bfloat16
+    matrix on every call, where the kernel widens each weight as it loads it)."""
     lo, hi = KERNEL_ROWS
+    lo = 1 if w.dtype == jnp.bfloat16 else lo
     return (lo <= int(np.prod(x.shape[:-1])) <= hi and x.dtype == jnp.float32
-            and w.dtype == jnp.float32 and cpu_gemm.available())
+            and w.dtype in (jnp.float32, jnp.bfloat16) and cpu_gemm.available())
 
 
 def head_logits(x: jax.Array, w: jax.Array, w_t: jax.Array | None = None) -> jax.Array:
