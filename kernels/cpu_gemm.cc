@@ -12,7 +12,8 @@
 // row from memory once for all M rows: the N outputs are split into chunks of rows of w, taken
 // by XLA's intra-op threads from a shared counter, and each chunk is walked in tiles of MR rows
 // of x by NR rows of w whose MR * NR accumulators live in registers (AVX2 + FMA), the NR rows
-// of w staying in L1 while every row group of x passes over them.
+// of w staying in L1 while every row group of x passes over them (bfloat16 rows widened once
+// into an L1-sized float32 buffer of 16 * K bytes when x has several row groups).
 //
 // Every output element is computed the same way wherever it falls: eight lane sums over k in
 // steps of 8 (one FMA chain each, k ascending), a fixed reduction tree across the lanes, then the
@@ -24,6 +25,7 @@
 #include <atomic>
 #include <cstdint>
 #include <memory>
+#include <new>
 #include <type_traits>
 
 #include "xla/ffi/api/ffi.h"
@@ -116,14 +118,14 @@ struct Job {
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> finished{0};
 
-  // Rows n0 .. n0 + NR - 1 of w for every row of x. Bfloat16 rows that more than one row
-  // tile of x would each widen again are widened once into `wide` (L1-sized), the same float32
-  // values the tiles would load.
+  // Rows n0 .. n0 + NR - 1 of w for every row of x. Given `wide` (room for kColTile rows),
+  // bfloat16 rows are widened into it once, the same float32 values the tiles would load,
+  // instead of once per row tile of x.
   template <int NR>
   void group(int64_t n0, float* wide) {
     const W* wr = w + n0 * k;
     if constexpr (std::is_same_v<W, uint16_t>) {
-      if (m > kRowTile) {
+      if (wide != nullptr) {
         for (int64_t i = 0; i < NR * k; ++i) wide[i] = widen(wr[i]);
         columns<NR>(x, static_cast<const float*>(wide), y, m, k, n, n0);
         return;
@@ -133,9 +135,15 @@ struct Job {
   }
 
   void work() {
+    // Widening once pays where x has more than one row tile; without the memory (no
+    // exception may cross the FFI boundary) every tile widens its own loads.
     std::unique_ptr<float[]> wide;
-    if (std::is_same_v<W, uint16_t> && m > kRowTile) wide.reset(new float[kColTile * k]);
+    bool wanted = std::is_same_v<W, uint16_t> && m > kRowTile;
     for (int64_t c; (c = next.fetch_add(1, std::memory_order_relaxed)) < chunks;) {
+      if (wanted) {
+        wide.reset(new (std::nothrow) float[kColTile * k]);
+        wanted = false;
+      }
       const int64_t begin = c * kChunk, end = begin + kChunk < n ? begin + kChunk : n;
       int64_t col = begin;
       for (; col + kColTile <= end; col += kColTile) group<kColTile>(col, wide.get());
@@ -150,7 +158,7 @@ ffi::Error GemmNT(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<T> 
                   ffi::ResultBuffer<ffi::F32> y) {
   const auto xd = x.dimensions(), wd = w.dimensions();
   if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[1]) {
-    return ffi::Error::InvalidArgument("specjax_gemm_nt expects x [M, K] and w [N, K]");
+    return ffi::Error::InvalidArgument("specjax_gemm_nt(_bf16) expects x [M, K] and w [N, K]");
   }
   auto job = std::make_shared<Job<ffi::NativeType<T>>>();
   job->x = x.typed_data();

@@ -9,12 +9,13 @@ reads each weight row once for all rows, with register tiles and XLA's intra-op 
 (``cpu_gemm.cc`` says how).
 
 ``gemm_nt(x, w)`` computes ``x @ w.T`` for ``x`` [M, K] float32 and ``w`` [N, K] (the weight
-stored one row per output, the layout of :mod:`specjax.io.layout`'s one-row copies and of a tied
-head's embedding table), float32 or bfloat16. Bfloat16 weights are widened to float32 exactly as
-they are loaded: the product equals the float32 product of the widened weights bit for bit and
-streams half the bytes (a drafter's copies of bfloat16 checkpoint weights). ``gemm_nt_reference`` is the definition and what runs where the kernel cannot:
-another backend (the choice is made at lowering, per platform), another CPU, no C++ compiler,
-or ``SPECJAX_CPU_GEMM=0``. Every output element is computed in the same order wherever it falls,
+stored one row per output, the layout of :mod:`specjax.io.layout`'s one-row copies and of a
+tied head's embedding table), float32 or bfloat16. Bfloat16 weights are widened to float32
+exactly as they are loaded: the product equals the float32 product of the widened weights bit
+for bit and streams half the bytes (a drafter's copies of bfloat16 checkpoint weights).
+``gemm_nt_reference`` is the definition and what runs where the kernel cannot: another backend
+(the choice is made at lowering, per platform), another CPU, no C++ compiler, or
+``SPECJAX_CPU_GEMM=0``. Every output element is computed in the same order wherever it falls,
 so a row's result never depends on the rows beside it: row i of an M-row product equals the
 one-row product of row i, bit for bit.
 

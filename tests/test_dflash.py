@@ -19,6 +19,7 @@ from specjax.config import ModelConfig
 from specjax.drafters import dflash
 from specjax.drafters.base import Context, Prefill
 from specjax.io import layout, official
+from specjax.kernels import cpu_gemm
 from specjax.drafters.dflash import BlockChain, DDTree, DFlashConfig, DFlashDrafter, SampledBlock
 from specjax.models import target
 from specjax.targets import DecoderTarget
@@ -104,6 +105,8 @@ def test_one_row_copies_draft_as_the_plain_weights_do(policy, bf16_values):
     rows = layout.with_row_weights(PARAMS)
     dp = dflash.drafter_params(own, rows)
     assert "fc_t" in dp["drafter"] and all("w_down_t" in p for p in dp["drafter"]["layers"])
+    half = bf16_values and cpu_gemm.available()
+    assert dp["drafter"]["fc_t"].dtype == (jnp.bfloat16 if half else jnp.float32)
     assert "fc_t" not in dflash.drafter_params(own, PARAMS)["drafter"]
     plain_dp = dflash.drafter_params(own, rows, row_weights=False)
     assert "fc_t" not in plain_dp["drafter"]

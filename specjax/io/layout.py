@@ -10,7 +10,8 @@ copy of every layer matrix with its input axis moved last, under the matrix's ke
 pass of exactly one query row by the copies (:mod:`specjax.models.target`). The copies double
 the memory of those matrices. A drafter's own matrices get the same copies
 (:func:`with_drafter_row_weights`, :func:`drafter_own`) when its target has them, so drafting
-multiplies as the target's passes do; bfloat16 copies where that changes no weight.
+multiplies as the target's passes do; bfloat16 copies (half the memory) where the CPU kernel
+runs and that changes no weight.
 
 **The tied head's copy.** A tied head multiplies by the embedding table ``embed`` [V, D]: the
 one-row layout. For bfloat16 passes of several rows (a verify pass, a drafted block, and a
@@ -92,12 +93,14 @@ def _matrices(own: dict) -> list:
 
 
 def _is_bfloat16(w) -> bool:
-    """Whether ``w`` holds bfloat16 values only (False for a traced array)."""
+    """Whether ``w`` holds bfloat16 values only: a bfloat16 array, or a float32 one whose low
+    16 bits are all zero (False for a traced array)."""
     if isinstance(w, jax.core.Tracer):
         return False
+    if jnp.dtype(w.dtype) == jnp.bfloat16:
+        return True
     w = np.asarray(w)
-    return w.dtype == np.float32 and np.array_equal(
-        w, np.asarray(jnp.asarray(w).astype(jnp.bfloat16).astype(jnp.float32)))
+    return w.dtype == np.float32 and not np.any(w.view(np.uint32) & 0xFFFF)
 
 
 def has_row_weights(params: dict) -> bool:

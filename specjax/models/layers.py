@@ -23,11 +23,12 @@ from specjax.config import ModelConfig
 from specjax.kernels import cpu_gemm
 from specjax.models import attention as attention_lib
 
-# Row counts whose float32 products by a weight stored [out, in] run on the CPU kernel
+# Row counts whose float32 products by a float32 weight stored [out, in] run on the CPU kernel
 # (:mod:`specjax.kernels.cpu_gemm`): a verify pass's nodes or a drafted block, times the batch.
-# One row stays on XLA's matrix-vector product, which streams the weights faster still; by 64
-# rows XLA's matrix product has caught up (a 64-node pass of SmolLM2-135M cost 5.3-6.2 plain
-# steps either way, the README's performance notes).
+# One row stays on XLA's matrix-vector product, which streams float32 weights faster still (by
+# bfloat16 weights one row runs on the kernel too, :func:`kernel_takes`); by 64 rows XLA's
+# matrix product has caught up (a 64-node pass of SmolLM2-135M cost 5.3-6.2 plain steps either
+# way, the README's performance notes).
 KERNEL_ROWS = (2, 64)
 
 
@@ -107,9 +108,9 @@ def matmul_nt(x: jax.Array, w: jax.Array) -> jax.Array:
     Float32 products of 2 to 64 rows (:data:`KERNEL_ROWS`), and of 1 to 64 float32 rows by
     bfloat16 weights, run on the CPU kernel (:func:`specjax.kernels.cpu_gemm.gemm_nt`; XLA's
     product on other backends or where the kernel is unavailable); everything else is
-    :func:`matmul`. So a row's result is the same bit for bit in any product of 2 to 64 rows,
-    but a one-row float32 product (XLA's) differs from it by summation order: a verify pass and
-    a plain step agree to rounding, not bitwise.
+    :func:`matmul`. So a row's result is the same bit for bit in any product of 2 to 64 rows
+    (1 to 64 by bfloat16 weights), but a one-row product by float32 weights (XLA's) differs
+    from it by summation order: a verify pass and a plain step agree to rounding, not bitwise.
     """
     if kernel_takes(x, w):
         rows = int(np.prod(x.shape[:-1]))
@@ -120,8 +121,9 @@ def matmul_nt(x: jax.Array, w: jax.Array) -> jax.Array:
 def kernel_takes(x: jax.Array, w: jax.Array) -> bool:
     """Whether :func:`matmul_nt` multiplies ``x`` [..., in] by ``w`` [out, in] on the CPU
     kernel: ``x`` float32, the kernel available, and ``w`` float32 with 2 to 64 rows
-    (:data:`KERNEL_ROWS`) or bfloat16 with 1 to 64 (XLA:CPU would widen the whole bfloat16
-    matrix on every call, where the kernel widens each weight as it loads it)."""
+    (:data:`KERNEL_ROWS`) or bfloat16 with 1 to 64, whatever the weight (a drafter's bfloat16
+    copies, head rows gathered from a bfloat16 target): XLA:CPU would widen the whole bfloat16
+    matrix on every call, where the kernel widens each weight as it loads it."""
     lo, hi = KERNEL_ROWS
     lo = 1 if w.dtype == jnp.bfloat16 else lo
     return (lo <= int(np.prod(x.shape[:-1])) <= hi and x.dtype == jnp.float32
@@ -143,8 +145,8 @@ def linear(x: jax.Array, p: dict, key: str) -> jax.Array:
 
     Where the params carry the copy ``p[key + "_t"]`` [*out, in] (:mod:`specjax.io.layout`),
     a single row multiplies by it (XLA:CPU streams that layout faster in a matrix-vector
-    product), and so do the float32 passes of a few rows that the CPU kernel takes
-    (:func:`matmul_nt`).
+    product; by a bfloat16 copy the CPU kernel takes it), and so do the float32 passes of a
+    few rows that the kernel takes (:func:`matmul_nt`).
     """
     w_t = p.get(f"{key}_t")
     # As a 2-D [out, in] matrix (merging its leading axes is free): XLA:CPU transposed a copy
